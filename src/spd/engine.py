@@ -1,0 +1,187 @@
+"""The single-process SPD schedule: prefill, then per cycle draft -> stages -> exit/verify.
+
+`stream()` is the one decode loop (a generator of verified tokens); `generate()` consumes it.
+The pipeline is the run of in-flight tokens at consecutive positions first_inflight..newest;
+the token at position p has depth newest - p and runs stage newest - p this cycle. Every layer's
+KV cache holds all positions before the token that runs it, because older tokens are deeper.
+
+Lossless by construction: every emitted token is an accepted draft or the target's own token
+from the same prefix and cache that plain decoding would use (SPEC sections 2 and 5).
+This module knows nothing about processes; the distributed runtime reuses its pieces.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .cache import KVCache
+from .drafters import DraftState, Drafter
+from .sampling import SamplingParams, sample, verify
+from .target import Target
+
+
+@dataclass
+class SPDStats:
+    n_stages: int
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    cycles: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    pdm_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    stage_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Verified tokens per cycle (<= 1)."""
+        return self.new_tokens / self.cycles if self.cycles else 0.0
+
+    @property
+    def equivalent_accept_length(self) -> float:
+        """n * N / C: the theoretical speedup with balanced stages and a hidden PDM."""
+        return self.n_stages * self.acceptance_rate
+
+    @property
+    def per_draft_acceptance(self) -> float:
+        verified = self.accepted + self.rejected
+        return self.accepted / verified if verified else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first (which prefill yields) per second of decoding."""
+        return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("acceptance_rate", "equivalent_accept_length", "per_draft_acceptance",
+                     "decode_tokens_per_second"):
+            out[name] = getattr(self, name)
+        return out
+
+
+def _now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def store_snapshots(features: torch.Tensor, positions, snapshots: dict, column: dict) -> None:
+    """Write {anchor: (q, H)} hidden states into the (capacity, m, H) feature table."""
+    for anchor, hidden in snapshots.items():
+        if anchor in column:
+            features[positions, column[anchor]] = hidden
+
+
+@torch.inference_mode()
+def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list[range],
+           params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
+           eos_token_ids=(), stats: SPDStats | None = None) -> Iterator[int]:
+    """Yield the verified new tokens of one sequence, one at a time, as SPD produces them."""
+    n, device = len(stages), target.device
+    assert n >= 1 and stages[-1].stop == target.num_layers and len(prompt_ids) >= 1
+    stats = stats if stats is not None else SPDStats(n)
+    stats.n_stages, stats.prompt_tokens, stats.stage_seconds = n, len(prompt_ids), [0.0] * n
+    if max_new_tokens < 1:
+        return
+    eos = set(eos_token_ids)
+    gen = params.generator(device)
+    column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
+    record = set(drafter.anchors)
+    cache = KVCache(range(target.num_layers))
+    capacity = len(prompt_ids) + max_new_tokens + n + 1
+    features = torch.zeros(capacity, len(column), target.hidden_size, device=device, dtype=target.dtype)
+
+    # Prefill: the whole prompt through the whole model; the first token is the target's own.
+    t0 = _now(device)
+    prompt = torch.tensor(prompt_ids, device=device)
+    last_hidden, snapshots = target.prefill(prompt, cache, record)
+    store_snapshots(features, slice(0, len(prompt_ids)), snapshots, column)
+    tokens = list(prompt_ids) + [sample(target.logits(last_hidden[0, -1]), params, gen)]
+    stats.prefill_seconds = _now(device) - t0
+    stats.new_tokens = 1
+    yield tokens[-1]
+    if tokens[-1] in eos or max_new_tokens == 1:
+        return
+
+    def enter(position: int) -> torch.Tensor:
+        """tokens[position] enters stage 1: embed it (its depth-0 feature) -> (1, 1, H)."""
+        hidden = target.embed(torch.tensor(tokens[position:position + 1], device=device))
+        store_snapshots(features, [position], {0: hidden[0]}, column)
+        return hidden
+
+    drafter.begin(len(prompt_ids))
+    first_inflight = len(prompt_ids)
+    hidden = {first_inflight: enter(first_inflight)}   # in-flight position -> (1, 1, H)
+    draft_q = {}                                       # in-flight position -> q (sampling)
+    t_decode = _now(device)
+    while True:
+        newest = len(tokens) - 1
+        # 1. Draft position newest+1 from features that exist before this cycle's stage work.
+        t = _now(device)
+        draft, q = drafter.draft(DraftState(tokens, first_inflight, n, features), params, gen)
+        stats.pdm_seconds += _now(device) - t
+
+        # 2. Stage step: the token at depth k runs stage k and records the anchors it passes.
+        for position in range(newest, first_inflight - 1, -1):
+            k = newest - position
+            t = _now(device)
+            hidden[position], snapshots = target.run_layers(
+                hidden[position], torch.tensor([position], device=device), stages[k], cache, record)
+            store_snapshots(features, [position], snapshots, column)
+            stats.stage_seconds[k] += _now(device) - t
+        stats.cycles += 1
+
+        # The draft joins the pipeline at depth 0 (dropped again below if a rejection cuts it).
+        tokens.append(draft)
+        draft_q[newest + 1] = q
+
+        # 3. Exit + verify: with n tokens in flight the oldest has finished all n stages.
+        if newest - first_inflight + 1 == n:
+            t = _now(device)
+            checked = first_inflight + 1
+            logits = target.logits(hidden.pop(first_inflight)[0, -1])
+            accepted, token = verify(tokens[checked], draft_q.pop(checked), logits, params, gen)
+            first_inflight = checked
+            if accepted:
+                stats.accepted += 1
+            else:  # the target's token replaces the draft; everything after it is dropped
+                stats.rejected += 1
+                del tokens[checked:]
+                tokens.append(token)
+                cache.crop(checked)
+                hidden.clear()
+                draft_q.clear()
+            stats.verify_seconds += _now(device) - t
+            stats.new_tokens += 1
+            stats.decode_seconds = _now(device) - t_decode
+            yield token
+            if token in eos or stats.new_tokens >= max_new_tokens:
+                return
+        hidden[len(tokens) - 1] = enter(len(tokens) - 1)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]      # new tokens only
+    stats: SPDStats
+
+
+def generate(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list[range],
+             params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
+             eos_token_ids=None, on_token: Callable[[int], None] | None = None) -> GenerationResult:
+    """Decode one sequence with SPD. eos_token_ids=None uses the target's own EOS ids."""
+    eos = target.eos_token_ids if eos_token_ids is None else eos_token_ids
+    stats = SPDStats(len(stages))
+    tokens = []
+    for token in stream(target, drafter, prompt_ids, stages, params, max_new_tokens, eos, stats):
+        tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+    return GenerationResult(tokens, stats)
