@@ -27,18 +27,25 @@ class DraftState:
     first_inflight: int        # position of the oldest in-flight token (positions before: finished)
     n_stages: int
     features: torch.Tensor     # (capacity, m, H) hidden states at the drafter's anchors per position
+    stepped: bool = False      # True when this cycle's stage step already ran (post-step drafters)
 
     @property
     def newest(self) -> int:
         return len(self.tokens) - 1
 
     def depth(self, position: int) -> int:
-        """Stages passed: in-flight tokens sit at consecutive positions, newest at depth 0."""
-        return self.n_stages if position < self.first_inflight else self.newest - position
+        """Stages passed: in-flight tokens sit at consecutive positions, newest at depth 0
+        (depth 1 once the cycle's stage step ran)."""
+        if position < self.first_inflight:
+            return self.n_stages
+        return min(self.n_stages, self.newest - position + self.stepped)
 
 
 class Drafter(Protocol):
     anchors: list[int]   # hidden-state indices the engine must record for this drafter
+    # False (SPD): draft from pre-step features, concurrently with the stages. True (PPSD-style):
+    # draft after the stage step, from the newest token's stage-1 output; not hidden.
+    after_stages: bool
 
     def begin(self, prompt_len: int) -> None:
         """A new sequence starts (drop any per-sequence state)."""
@@ -54,6 +61,7 @@ class PDMDrafter:
     def __init__(self, pdm: PDM):
         self.pdm = pdm
         self.anchors = pdm.anchors
+        self.after_stages = False
         self.cache = KVCache(range(pdm.config.num_layers))
         self.committed = 0   # positions whose depth-n rows are final in the PDM cache
 
@@ -81,6 +89,7 @@ class OracleDrafter:
     """Always drafts the given continuation (the target's greedy output): every draft accepted."""
 
     anchors: list[int] = []
+    after_stages = False
 
     def __init__(self, continuation: list[int]):
         self.continuation = list(continuation)

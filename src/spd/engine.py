@@ -79,6 +79,13 @@ def store_snapshots(features: torch.Tensor, positions, snapshots: dict, column: 
             features[positions, column[anchor]] = hidden
 
 
+def _draft(drafter, state, params, gen, stats):
+    t = time.perf_counter()
+    draft, q = drafter.draft(state, params, gen)
+    stats.pdm_seconds += time.perf_counter() - t
+    return draft, q
+
+
 @torch.inference_mode()
 def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list[range],
            params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
@@ -124,9 +131,8 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     while True:
         newest = len(tokens) - 1
         # 1. Draft position newest+1 from features that exist before this cycle's stage work.
-        t = _now(device)
-        draft, q = drafter.draft(DraftState(tokens, first_inflight, n, features), params, gen)
-        stats.pdm_seconds += _now(device) - t
+        if not drafter.after_stages:
+            draft, q = _draft(drafter, DraftState(tokens, first_inflight, n, features), params, gen, stats)
 
         # 2. Stage step: the token at depth k runs stage k and records the anchors it passes.
         for position in range(newest, first_inflight - 1, -1):
@@ -137,6 +143,8 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
             store_snapshots(features, [position], snapshots, column)
             stats.stage_seconds[k] += _now(device) - t
         stats.cycles += 1
+        if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
+            draft, q = _draft(drafter, DraftState(tokens, first_inflight, n, features, True), params, gen, stats)
 
         # The draft joins the pipeline at depth 0 (dropped again below if a rejection cuts it).
         tokens.append(draft)

@@ -1,0 +1,133 @@
+"""The `spd` command line: a thin dispatch table; each command is one call into the library."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Speculative Pipeline Decoding: lossless single-sequence LLM decoding acceleration.")
+
+
+@app.callback()
+def _root() -> None:
+    """Speculative Pipeline Decoding: lossless single-sequence LLM decoding acceleration."""
+
+
+def fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def _setup(threads: int | None, verbose: bool = False) -> None:
+    import torch
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if threads:
+        torch.set_num_threads(threads)
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive (decoding the whole so far keeps multi-byte chars whole)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+
+@app.command()
+def generate(
+    model: str = typer.Option(..., help="Model folder, hub id, or 'default' (the embedded SmolLM2-135M-Instruct)."),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text (chat models get their chat template)."),
+    prompt_ids: Optional[str] = typer.Option(None, help="Prompt as token ids, e.g. 5,17,33 (no tokenizer needed)."),
+    stages: Optional[int] = typer.Option(None, "--stages", "-n", help="Pipeline stages n (default: the PDM's, else 2)."),
+    split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 8,8,7,7 (default: most even split)."),
+    pdm: Optional[str] = typer.Option(None, help="PDM checkpoint folder from `spd train` (default: shipped one, else random)."),
+    max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0, min=0, help="Top-k filter (0 = off)."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus filter (1 = off)."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed."),
+    raw: bool = typer.Option(False, help="Do not apply the chat template."),
+    ignore_eos: bool = typer.Option(False, help="Decode max_new_tokens tokens whatever the model emits."),
+    compare_ar: bool = typer.Option(False, help="Also run plain autoregressive decoding; check tokens match (greedy)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", help="Device for the single-process engine, e.g. cpu or cuda:0."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """Generate with SPD in one process; print the text and the decode statistics."""
+    _setup(threads, verbose)
+    from . import engine
+    from .baselines.ar import ar_generate
+    from .loading import build_decoder, encode_prompt, parse_dtype, parse_int_list
+    from .sampling import SamplingParams
+
+    if (prompt is None) == (prompt_ids is None):
+        fail("give exactly one of --prompt or --prompt-ids")
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed)
+        ids = parse_int_list(prompt_ids, "--prompt-ids")
+        dec = build_decoder(model, stages, parse_int_list(split, "--split"), pdm, parse_dtype(dtype), device)
+        ids = ids if ids is not None else encode_prompt(dec.tokenizer, prompt, raw)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        fail(str(err))
+    if max(ids) >= dec.target.vocab_size or min(ids) < 0:
+        fail(f"prompt ids must lie in [0, {dec.target.vocab_size}); got {ids}")
+    eos = () if ignore_eos else dec.target.eos_token_ids
+    stream_text = dec.tokenizer is not None and not as_json
+    on_token = TextStream(dec.tokenizer) if stream_text else None
+    result = engine.generate(dec.target, dec.drafter(), ids, dec.stages, params, max_new_tokens, eos, on_token)
+    out = {"text": dec.tokenizer.decode(result.tokens, skip_special_tokens=True) if dec.tokenizer else None,
+           "token_ids": result.tokens, "stats": result.stats.to_dict()}
+    if compare_ar:
+        ar_tokens, ar_stats = ar_generate(dec.target, ids, params, max_new_tokens, eos)
+        out.update(ar_token_ids=ar_tokens, ar_decode_seconds=ar_stats.decode_seconds,
+                   ar_decode_tokens_per_second=ar_stats.decode_tokens_per_second,
+                   match=ar_tokens == result.tokens if params.greedy else None)
+    if as_json:
+        print(json.dumps(out))
+    else:
+        print() if stream_text else print("token ids:", ",".join(map(str, result.tokens)))
+        _print_stats(result.stats, dec.stage_layers, out)
+    if compare_ar and params.greedy and not out["match"]:
+        raise typer.Exit(1)
+
+
+def _print_stats(stats, stage_layers, out) -> None:
+    s = stats
+    lines = [f"stages n={s.n_stages} split={','.join(map(str, stage_layers))}",
+             f"new tokens {s.new_tokens}  cycles {s.cycles}  accepted {s.accepted}  rejected {s.rejected}",
+             f"acceptance rate (tokens/cycle) {s.acceptance_rate:.3f}  per-draft acceptance "
+             f"{s.per_draft_acceptance:.3f}  equivalent accept length {s.equivalent_accept_length:.2f}",
+             f"decode {s.decode_seconds:.2f}s ({s.decode_tokens_per_second:.1f} tok/s)  PDM {s.pdm_seconds:.2f}s  "
+             f"stages " + " ".join(f"{t:.2f}s" for t in s.stage_seconds)]
+    if "ar_token_ids" in out:
+        match = {True: "tokens identical", False: "MISMATCH", None: "(sampling: not compared)"}[out["match"]]
+        lines.append(f"AR: decode {out['ar_decode_seconds']:.2f}s "
+                     f"({out['ar_decode_tokens_per_second']:.1f} tok/s)  {match}")
+    typer.echo("\n".join("  " + line for line in lines), err=True)
+
+
+# Further commands register here, each one line: app.command("name")(module.function)
+
+
+def main() -> None:  # python -m spd.cli
+    app()
+
+
+if __name__ == "__main__":
+    main()

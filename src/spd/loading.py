@@ -1,0 +1,95 @@
+"""From user-facing names to ready objects: model + tokenizer, stage split, drafter, prompt ids.
+
+The CLI, the server and the benchmarks all start here, so a flag means the same thing in each.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import load_pdm, read_config
+from .drafters import PDMDrafter
+from .pdm import PDM
+from .shipped import shipped_pdm
+from .target import Target, load_target, split_layers
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_int_list(text: str | None, what: str) -> list[int] | None:
+    """'8,8,7,7' -> [8, 8, 7, 7]; None/'' -> None; a clear error for anything else."""
+    if text is None or not text.strip():
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers like 8,8,7,7; got {text!r}") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass
+class Decoder:
+    """Everything one SPD decode needs."""
+
+    target: Target
+    tokenizer: object | None
+    stages: list[range]
+    pdm: PDM
+
+    @property
+    def stage_layers(self) -> list[int]:
+        return [len(s) for s in self.stages]
+
+    def drafter(self) -> PDMDrafter:
+        return PDMDrafter(self.pdm)
+
+
+def resolve_split(num_layers: int, stages: int | None, split: list[int] | None,
+                  pdm_path: str | None) -> list[range]:
+    """Stage split from --stages/--split, defaulting to the PDM checkpoint's own split."""
+    if pdm_path is not None and stages is None and split is None:
+        return split_layers(num_layers, read_config(pdm_path).n_stages, list(read_config(pdm_path).stage_layers))
+    if split is not None and stages is not None and len(split) != stages:
+        raise ValueError(f"--split has {len(split)} counts but --stages is {stages}")
+    n = len(split) if split is not None else (stages or 2)
+    return split_layers(num_layers, n, split)
+
+
+def build_decoder(model: str, stages: int | None = None, split: list[int] | None = None,
+                  pdm_path: str | None = None, dtype: torch.dtype = torch.float32,
+                  device: str = "cpu", pdm_layers: int = 1) -> Decoder:
+    """Load the target and its PDM (a random one, with a warning, when none is given)."""
+    if pdm_path is None:
+        pdm_path = shipped_pdm(model, stages, split)
+    if pdm_path is not None:
+        read_config(pdm_path)  # a bad checkpoint path fails before the model loads
+    target, tokenizer = load_target(model, dtype=dtype, device=device)
+    layer_split = resolve_split(target.num_layers, stages, split, pdm_path)
+    if pdm_path is not None:
+        pdm = load_pdm(pdm_path, target, [len(s) for s in layer_split])
+    else:
+        log.warning("no --pdm given: drafting with a randomly initialised PDM. Output is still "
+                    "exact, but almost every draft is rejected; train one with `spd train`.")
+        pdm = PDM.create(target, [len(s) for s in layer_split], num_layers=pdm_layers).eval()
+    return Decoder(target, tokenizer, layer_split, pdm)
+
+
+def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
+    """Prompt text -> ids; chat models get their chat template unless raw."""
+    if tokenizer is None:
+        raise ValueError("this model folder has no tokenizer: give the prompt as ids (--prompt-ids 5,17,33)")
+    if not raw and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text)
