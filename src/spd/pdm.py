@@ -61,7 +61,7 @@ class TargetFingerprint:
     @classmethod
     def of(cls, target: Target) -> "TargetFingerprint":
         archs = getattr(target.config, "architectures", None) or [target.config.model_type]
-        return cls(architecture=archs[0], model_type=target.config.model_type,
+        return cls(architecture=target.architecture or archs[0], model_type=target.config.model_type,
                    hidden_size=target.hidden_size, num_layers=target.num_layers,
                    vocab_size=target.vocab_size)
 

@@ -85,6 +85,7 @@ class Target:
     norm: nn.Module | None
     lm_head: nn.Module | None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = ""                # e.g. LlamaForCausalLM (what PDM checkpoints record)
 
     @classmethod
     def from_hf(cls, model) -> "Target":
@@ -93,7 +94,8 @@ class Target:
         body = model.model
         return cls(config=model.config, embed_tokens=body.embed_tokens,
                    layers=dict(enumerate(body.layers)), rotary_emb=body.rotary_emb,
-                   norm=body.norm, lm_head=model.lm_head, eos_token_ids=eos_ids_of(model))
+                   norm=body.norm, lm_head=model.lm_head, eos_token_ids=eos_ids_of(model),
+                   architecture=type(model).__name__)
 
     @property
     def num_layers(self) -> int:

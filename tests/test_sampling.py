@@ -1,0 +1,119 @@
+"""Sampling is lossless: SPD's continuations follow the target's own distribution (chi-square).
+
+The same test, with verification switched off (every draft accepted), must reject: that proves
+the test can fail.
+"""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import spd.engine
+from conftest import tiny_model
+from spd.drafters import PDMDrafter
+from spd.engine import generate
+from spd.pdm import PDM
+from spd.sampling import SamplingParams, probs, verify_sample
+from spd.target import Target, split_layers
+
+VOCAB, PROMPT, LENGTH = 8, [1, 5, 2], 3
+PARAMS = dict(temperature=0.9, top_k=6)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", num_layers=2, vocab=VOCAB, hidden=16, num_attention_heads=2,
+                       num_key_value_heads=1, intermediate_size=32, seed=7)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # back to moderately flat distributions: every path matters
+    target = Target.from_hf(model)
+    # a PDM over a 6-token draft vocabulary: q is zero on two ids, so recovery sampling is exercised
+    pdm = PDM.create(target, [1, 1], num_layers=1, draft_ids=[0, 1, 2, 3, 5, 6], seed=3).eval()
+    return model, target, pdm
+
+
+def exact_distribution(model, params):
+    """P(x1, x2, x3 | prompt) enumerated from the target's processed distributions."""
+    table = {}
+    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+        ids = torch.tensor([PROMPT + list(seq)])
+        with torch.no_grad():
+            logits = model(ids).logits[0]
+        p = 1.0
+        for i, token in enumerate(seq):
+            p *= float(probs(logits[len(PROMPT) - 1 + i], params)[token])
+        table[seq] = p
+    return table
+
+
+def draw(target, pdm, params, count):
+    counts = {}
+    for i in range(count):
+        out = generate(target, PDMDrafter(pdm), PROMPT, split_layers(2, 2),
+                       SamplingParams(**PARAMS, seed=i), max_new_tokens=LENGTH, eos_token_ids=()).tokens
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    return counts
+
+
+def chi_square_p(counts, table, total):
+    observed, expected = [], []
+    for seq, p in table.items():
+        if p * total < 5:  # pool rare cells so the chi-square approximation holds
+            continue
+        observed.append(counts.get(seq, 0))
+        expected.append(p * total)
+    observed.append(total - sum(observed))
+    expected.append(total - sum(expected))
+    impossible = sum(c for seq, c in counts.items() if table[seq] == 0)
+    return chisquare(observed, expected).pvalue, impossible
+
+
+def test_spd_sampling_matches_target_distribution(setup):
+    model, target, pdm = setup
+    params = SamplingParams(**PARAMS)
+    table = exact_distribution(model, params)
+    total = 20_000
+    counts = draw(target, pdm, params, total)
+    pvalue, impossible = chi_square_p(counts, table, total)
+    assert impossible == 0, "SPD produced a continuation the target gives probability 0"
+    assert pvalue > 1e-3, f"SPD's samples do not follow the target's distribution (p={pvalue:.2e})"
+
+
+def test_the_chi_square_test_fails_without_verification(setup, monkeypatch):
+    model, target, pdm = setup
+    params = SamplingParams(**PARAMS)
+    table = exact_distribution(model, params)
+    monkeypatch.setattr(spd.engine, "verify", lambda draft, q, logits, params, gen: (True, draft))
+    total = 4_000
+    counts = draw(target, pdm, params, total)
+    pvalue, impossible = chi_square_p(counts, table, total)
+    assert pvalue < 1e-3 or impossible > 0
+
+
+def test_verify_sample_preserves_p_exactly_in_expectation():
+    """Accept-or-recover with any q yields p: check the closed form of the output law."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.1, 0.1, 0.7])
+    law = torch.zeros(4)
+    for x in range(4):  # P(out=y) = sum_x q(x) [accept x -> y=x] + [reject x -> residual]
+        accept = min(1.0, float(p[x] / q[x])) if q[x] > 0 else 0.0
+        residual = torch.clamp(p - q, min=0)
+        law[x] += q[x] * accept
+        law += q[x] * (1 - accept) * residual / residual.sum()
+    assert torch.allclose(law, p, atol=1e-6)
+    draws = [verify_sample(3, p, q, gen) for _ in range(200)]
+    assert all(not accepted and token != 3 for accepted, token in draws)  # p(3) = 0: never kept
+
+
+def test_probs_filters():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    assert probs(logits, SamplingParams()).tolist() == [1.0, 0.0, 0.0, 0.0]
+    top2 = probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top2[2:] == 0).all() and top2.sum() == pytest.approx(1)
+    nucleus = probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert nucleus.tolist() == [1.0, 0.0, 0.0, 0.0]  # the top token alone holds > 0.5
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
