@@ -77,7 +77,7 @@ class PDMDrafter:
         rows = self.pdm.rows(state.features[start:newest + 1], types)
         positions = torch.arange(start, newest + 1, device=rows.device)
         self.cache.crop(start)  # in-flight rows changed depth since last cycle: recompute them
-        logits = self.pdm.full_vocab_logits(self.pdm.forward_window(rows, positions, self.cache)[0, -1])
+        logits = self.pdm.full_vocab_logits(self.pdm.forward_window(rows, positions, self.cache))
         self.committed = state.first_inflight  # finished rows just computed at depth n are final
         if params.greedy:
             return int(logits.argmax()), None

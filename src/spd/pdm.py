@@ -151,10 +151,11 @@ class PDM(nn.Module):
         return self._target["norm"](hidden)
 
     def forward_window(self, rows: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Inference: run rows after the cache's committed positions; (1, r, H) -> (1, r, V_d)."""
+        """Inference: run rows after the cache's committed positions; (1, r, H) rows -> (V_d,)
+        logits of the last row (the newest token's: the draft for the position after it)."""
         kv_len = cache.length(0) + rows.shape[1]
         mask = attention_mask(positions, kv_len, rows.dtype)
-        return self.lm_head(self.body(rows, positions, mask, cache)).float()
+        return self.lm_head(self.body(rows, positions, mask, cache)[0, -1]).float()
 
     def full_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """(..., V_d) -> (..., V) with -inf outside the draft vocabulary."""
