@@ -79,6 +79,55 @@ def store_snapshots(features: torch.Tensor, positions, snapshots: dict, column: 
             features[positions, column[anchor]] = hidden
 
 
+@dataclass
+class Pipeline:
+    """One sequence's schedule state (SPEC section 2): every token so far and which are in flight.
+
+    In-flight tokens sit at positions first_inflight..newest; the one at position p has depth
+    newest - p and runs stage newest - p in this cycle's stage step. Pure bookkeeping: the loop
+    below and the distributed controller (spd.runtime) drive their cycles with the same calls.
+    """
+
+    tokens: list[int]              # prompt, verified tokens, in-flight drafts (the caller's list)
+    first_inflight: int
+    n_stages: int
+    draft_q: dict = field(default_factory=dict)   # in-flight position -> its draft's q (or None)
+
+    @property
+    def newest(self) -> int:
+        return len(self.tokens) - 1
+
+    def work(self) -> list[tuple[int, int]]:
+        """This cycle's stage step as (position, stage k) pairs, newest (stage 0) first.
+        n pairs mean the oldest token finishes all n stages this cycle."""
+        return [(p, self.newest - p) for p in range(self.newest, self.first_inflight - 1, -1)]
+
+    def draft_state(self, features: torch.Tensor, stepped: bool = False) -> DraftState:
+        return DraftState(self.tokens, self.first_inflight, self.n_stages, features, stepped)
+
+    def admit(self, draft: int, q: torch.Tensor | None) -> None:
+        """The cycle's draft joins at depth 0: the token for position newest+1."""
+        self.tokens.append(draft)
+        self.draft_q[self.newest] = q
+
+    def settle(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+               ) -> tuple[bool, int, int]:
+        """The oldest token finished: verify the draft after it with the target's (V,) logits.
+
+        Returns (accepted, emitted token, its position). On rejection the target's token
+        replaces the draft, every later token is dropped, and the pipeline restarts holding only
+        it; the caller crops every KV cache to that position.
+        """
+        checked = self.first_inflight + 1
+        accepted, token = verify(self.tokens[checked], self.draft_q.pop(checked), logits, params, gen)
+        self.first_inflight = checked
+        if not accepted:
+            del self.tokens[checked:]
+            self.tokens.append(token)
+            self.draft_q.clear()
+        return accepted, token, checked
+
+
 def _draft(drafter, state, params, gen, stats):
     t = time.perf_counter()
     draft, q = drafter.draft(state, params, gen)
@@ -124,19 +173,17 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
         return hidden
 
     drafter.begin(len(prompt_ids))
-    first_inflight = len(prompt_ids)
-    hidden = {first_inflight: enter(first_inflight)}   # in-flight position -> (1, 1, H)
-    draft_q = {}                                       # in-flight position -> q (sampling)
+    pipe = Pipeline(tokens, first_inflight=len(prompt_ids), n_stages=n)
+    hidden = {pipe.newest: enter(pipe.newest)}   # in-flight position -> (1, 1, H)
     t_decode = _now(device)
     while True:
-        newest = len(tokens) - 1
+        work = pipe.work()
         # 1. Draft position newest+1 from features that exist before this cycle's stage work.
         if not drafter.after_stages:
-            draft, q = _draft(drafter, DraftState(tokens, first_inflight, n, features), params, gen, stats)
+            draft, q = _draft(drafter, pipe.draft_state(features), params, gen, stats)
 
         # 2. Stage step: the token at depth k runs stage k and records the anchors it passes.
-        for position in range(newest, first_inflight - 1, -1):
-            k = newest - position
+        for position, k in work:
             t = _now(device)
             hidden[position], snapshots = target.run_layers(
                 hidden[position], torch.tensor([position], device=device), stages[k], cache, record)
@@ -144,35 +191,29 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
             stats.stage_seconds[k] += _now(device) - t
         stats.cycles += 1
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
-            draft, q = _draft(drafter, DraftState(tokens, first_inflight, n, features, True), params, gen, stats)
+            draft, q = _draft(drafter, pipe.draft_state(features, stepped=True), params, gen, stats)
 
         # The draft joins the pipeline at depth 0 (dropped again below if a rejection cuts it).
-        tokens.append(draft)
-        draft_q[newest + 1] = q
+        pipe.admit(draft, q)
 
         # 3. Exit + verify: with n tokens in flight the oldest has finished all n stages.
-        if newest - first_inflight + 1 == n:
+        if len(work) == n:
             t = _now(device)
-            checked = first_inflight + 1
-            logits = target.logits(hidden.pop(first_inflight)[0, -1])
-            accepted, token = verify(tokens[checked], draft_q.pop(checked), logits, params, gen)
-            first_inflight = checked
+            logits = target.logits(hidden.pop(pipe.first_inflight)[0, -1])
+            accepted, token, checked = pipe.settle(logits, params, gen)
             if accepted:
                 stats.accepted += 1
-            else:  # the target's token replaces the draft; everything after it is dropped
+            else:  # everything from the checked position on is gone: crop the caches there
                 stats.rejected += 1
-                del tokens[checked:]
-                tokens.append(token)
                 cache.crop(checked)
                 hidden.clear()
-                draft_q.clear()
             stats.verify_seconds += _now(device) - t
             stats.new_tokens += 1
             stats.decode_seconds = _now(device) - t_decode
             yield token
             if token in eos or stats.new_tokens >= max_new_tokens:
                 return
-        hidden[len(tokens) - 1] = enter(len(tokens) - 1)
+        hidden[pipe.newest] = enter(pipe.newest)
 
 
 @dataclass
