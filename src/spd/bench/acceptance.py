@@ -1,0 +1,62 @@
+"""Acceptance of a PDM on a known greedy continuation, without running stages token by token.
+
+Greedy SPD emits the target's greedy continuation, so its whole run (which drafts are accepted,
+how many cycles) is fixed by that continuation and the PDM. `replay()` walks the engine's
+schedule over the known sequence: the anchor features of every position come from ONE forward
+of the target over prompt + continuation, and each cycle asks the real `PDMDrafter` for its
+draft, exactly as `engine.stream` does. A draft made while a wrong draft is still in flight is
+dropped by the engine before it matters, so replay does not compute it.
+
+The counts equal the engine's up to floating-point noise between a full-sequence forward and
+token-by-token decoding (a near-tie may flip a draft); `tests/test_acceptance.py` checks they
+match the engine on tiny models. Use it to measure acceptance on hundreds of prompts; use the
+engine itself to check token identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from ..drafters import DraftState, PDMDrafter
+from ..engine import SPDStats, store_snapshots
+from ..sampling import SamplingParams
+from ..target import Target
+
+
+@torch.inference_mode()
+def replay(target: Target, drafter: PDMDrafter, prompt_ids: list[int], continuation: list[int],
+           n_stages: int) -> SPDStats:
+    """SPD statistics (cycles, accepted, rejected) for greedy decoding of `continuation`."""
+    device, prompt_len = target.device, len(prompt_ids)
+    sequence = list(prompt_ids) + list(continuation)
+    column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
+    features = torch.zeros(len(sequence) + 1, len(column), target.hidden_size, device=device,
+                           dtype=target.dtype)
+    _, snapshots = target.prefill(torch.tensor(sequence, device=device), KVCache(range(target.num_layers)),
+                                  set(drafter.anchors))
+    store_snapshots(features, slice(0, len(sequence)), snapshots, column)
+
+    stats = SPDStats(n_stages, prompt_tokens=prompt_len, new_tokens=1, stage_seconds=[0.0] * n_stages)
+    params, gen = SamplingParams(), torch.Generator(device=device)
+    drafter.begin(prompt_len)
+    first_inflight, newest = prompt_len, prompt_len
+    wrong_inflight = None          # position of the oldest wrong draft in flight, if any
+    while stats.new_tokens < len(continuation):
+        if wrong_inflight is None and newest + 1 < len(sequence):
+            state = DraftState(sequence[: newest + 1], first_inflight, n_stages, features)
+            draft, _ = drafter.draft(state, params, gen)
+            if draft != sequence[newest + 1]:
+                wrong_inflight = newest + 1
+        stats.cycles += 1
+        newest += 1
+        if newest - first_inflight == n_stages:  # the oldest finished: verify the next position
+            checked = first_inflight + 1
+            first_inflight = checked
+            stats.new_tokens += 1
+            if checked == wrong_inflight:
+                stats.rejected += 1
+                newest, wrong_inflight = checked, None  # the corrected token restarts the pipeline
+            else:
+                stats.accepted += 1
+    return stats
