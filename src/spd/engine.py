@@ -37,6 +37,10 @@ class SPDStats:
     pdm_seconds: float = 0.0
     verify_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)
+    # per verified draft, by pipeline fill f (tokens in flight when it was drafted, 1..n; n = steady
+    # state, 1 = first draft after a rejection): index f-1 counts verified / accepted drafts
+    verified_by_fill: list[int] = field(default_factory=list)
+    accepted_by_fill: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -144,6 +148,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     assert n >= 1 and stages[-1].stop == target.num_layers and len(prompt_ids) >= 1
     stats = stats if stats is not None else SPDStats(n)
     stats.n_stages, stats.prompt_tokens, stats.stage_seconds = n, len(prompt_ids), [0.0] * n
+    stats.verified_by_fill, stats.accepted_by_fill = [0] * n, [0] * n
     if max_new_tokens < 1:
         return
     eos = set(eos_token_ids)
@@ -175,6 +180,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     drafter.begin(len(prompt_ids))
     pipe = Pipeline(tokens, first_inflight=len(prompt_ids), n_stages=n)
     hidden = {pipe.newest: enter(pipe.newest)}   # in-flight position -> (1, 1, H)
+    fills = {}                                   # in-flight draft position -> fill when drafted
     t_decode = _now(device)
     while True:
         work = pipe.work()
@@ -195,18 +201,23 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
 
         # The draft joins the pipeline at depth 0 (dropped again below if a rejection cuts it).
         pipe.admit(draft, q)
+        fills[pipe.newest] = len(work)
 
         # 3. Exit + verify: with n tokens in flight the oldest has finished all n stages.
         if len(work) == n:
             t = _now(device)
             logits = target.logits(hidden.pop(pipe.first_inflight)[0, -1])
             accepted, token, checked = pipe.settle(logits, params, gen)
+            fill = fills.pop(checked)
+            stats.verified_by_fill[fill - 1] += 1
+            stats.accepted_by_fill[fill - 1] += accepted
             if accepted:
                 stats.accepted += 1
             else:  # everything from the checked position on is gone: crop the caches there
                 stats.rejected += 1
                 cache.crop(checked)
                 hidden.clear()
+                fills.clear()
             stats.verify_seconds += _now(device) - t
             stats.new_tokens += 1
             stats.decode_seconds = _now(device) - t_decode
