@@ -1,0 +1,155 @@
+"""Acceptance report for PDMs on the evaluation prompts (MT-Bench, GSM8K, HumanEval; issue 4).
+
+For each prompt (first turn, chat template, greedy, --max-new-tokens):
+1. the target's greedy continuation, made once with batched `generate` and cached in --ar-cache;
+2. SPD's counts for every given PDM by `spd.bench.acceptance.replay` (one full forward, then the
+   engine's schedule with the real PDM drafter): acceptance rate, per-draft acceptance,
+   equivalent accept length n*N/C;
+3. on the first --engine-check prompts of each dataset, the real single-process engine too:
+   its tokens must equal AR's (`spd.baselines.ar`) and its counts must equal the replay's.
+
+Writes per-prompt JSONL and a Markdown table. Resumable: finished (prompt, pdm) rows are skipped.
+
+    python scripts/acceptance_report.py --pdm src/spd/assets/pdm/smollm2-135m-n2-15-15 \
+        --pdm src/spd/assets/pdm/smollm2-135m-n4-8-8-7-7 --out runs/acceptance
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from spd.baselines.ar import ar_generate
+from spd.bench.acceptance import replay
+from spd.checkpoint import load_pdm
+from spd.drafters import PDMDrafter
+from spd.engine import generate
+from spd.loading import encode_prompt
+from spd.target import load_target, split_layers
+
+DATASETS = ("mt_bench", "gsm8k", "humaneval")
+
+
+def load_prompts(eval_dir: Path, limit: int | None) -> list[tuple[str, int, str]]:
+    rows = []
+    for name in DATASETS:
+        with open(eval_dir / name / "question.jsonl") as f:
+            for i, line in enumerate(f):
+                if limit is not None and i >= limit:
+                    break
+                rows.append((name, i, json.loads(line)["turns"][0]))
+    return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.open()] if path.exists() else []
+
+
+@torch.inference_mode()
+def ar_continuations(model, tokenizer, prompts, ids, max_new, batch, cache_path: Path) -> dict:
+    """Greedy continuations by batched generate (left padding), cached by (dataset, index)."""
+    done = {(r["dataset"], r["index"]): r["continuation"] for r in read_jsonl(cache_path)}
+    todo = [i for i, (name, index, _) in enumerate(prompts) if (name, index) not in done]
+    todo.sort(key=lambda i: len(ids[i]))  # similar lengths together: less padding
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    with cache_path.open("a") as out:
+        for start in tqdm(range(0, len(todo), batch), desc="AR continuations"):
+            chunk = todo[start:start + batch]
+            width = max(len(ids[i]) for i in chunk)
+            input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk])
+            mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk])
+            gen = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=max_new, pad_token_id=pad)
+            for row, i in zip(gen[:, width:].tolist(), chunk):
+                cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+                name, index, _ = prompts[i]
+                done[(name, index)] = row[:cut]
+                out.write(json.dumps({"dataset": name, "index": index, "continuation": row[:cut]}) + "\n")
+                out.flush()
+    return done
+
+
+def summarize(rows: list[dict], pdm_names: list[str]) -> str:
+    lines = ["| PDM | dataset | prompts | new tokens | cycles | acceptance rate | per-draft acceptance | "
+             "equivalent accept length | engine-checked prompts (tokens == AR) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for pdm in pdm_names:
+        for name in (*DATASETS, "overall"):
+            sel = [r for r in rows if r["pdm"] == pdm and (name == "overall" or r["dataset"] == name)]
+            if not sel:
+                continue
+            n = sel[0]["n_stages"]
+            tokens, cycles = sum(r["new_tokens"] for r in sel), sum(r["cycles"] for r in sel)
+            acc, rej = sum(r["accepted"] for r in sel), sum(r["rejected"] for r in sel)
+            checked = [r for r in sel if "engine_match" in r]
+            ok = sum(r["engine_match"] and r["counts_match"] for r in checked)
+            lines.append(f"| {pdm} | {name} | {len(sel)} | {tokens} | {cycles} | {tokens / cycles:.3f} | "
+                         f"{acc / max(1, acc + rej):.3f} | {n * tokens / cycles:.2f} | {ok}/{len(checked)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--pdm", action="append", required=True, help="PDM checkpoint folder (repeat)")
+    ap.add_argument("--eval-dir", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared" / "eval_data")
+    ap.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all 80)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--engine-check", type=int, default=3, help="prompts per dataset also run by the engine")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("runs/acceptance"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    target, tokenizer = load_target(args.model)
+    from transformers import AutoModelForCausalLM
+    from spd.default_target import resolve_model_path
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model)).eval()
+    prompts = load_prompts(args.eval_dir, args.limit)
+    ids = [encode_prompt(tokenizer, text) for _, _, text in prompts]
+    conts = ar_continuations(model, tokenizer, prompts, ids, args.max_new_tokens, args.batch,
+                             args.out / f"ar_{args.max_new_tokens}.jsonl")
+    del model
+
+    rows_path = args.out / "per_prompt.jsonl"
+    rows = read_jsonl(rows_path)
+    done = {(r["pdm"], r["dataset"], r["index"]) for r in rows}
+    with rows_path.open("a") as out:
+        for folder in args.pdm:
+            pdm = load_pdm(folder, target)
+            name, n = Path(folder).name, pdm.config.n_stages
+            stages = split_layers(target.num_layers, n, list(pdm.config.stage_layers))
+            for i, (dataset, index, _) in enumerate(tqdm(prompts, desc=name)):
+                if (name, dataset, index) in done:
+                    continue
+                cont, check = conts[(dataset, index)], {}
+                if index < args.engine_check:  # the real engine against plain AR decoding
+                    ar, _ = ar_generate(target, ids[i], max_new_tokens=args.max_new_tokens)
+                    real = generate(target, PDMDrafter(pdm), ids[i], stages, max_new_tokens=args.max_new_tokens)
+                    check = {"engine_match": real.tokens == ar, "batched_ar_match": ar == cont,
+                             "engine_tokens_per_second": real.stats.decode_tokens_per_second}
+                    cont = ar
+                s = replay(target, PDMDrafter(pdm), ids[i], cont, n)
+                row = {"pdm": name, "n_stages": n, "dataset": dataset, "index": index,
+                       "new_tokens": s.new_tokens, "cycles": s.cycles, "accepted": s.accepted,
+                       "rejected": s.rejected, **check}
+                if check:
+                    row["counts_match"] = (real.stats.cycles, real.stats.accepted) == (s.cycles, s.accepted)
+                rows.append(row)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+    table = summarize(rows, [Path(p).name for p in args.pdm])
+    (args.out / "summary.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
