@@ -122,6 +122,36 @@ def _print_stats(stats, stage_layers, out) -> None:
     typer.echo("\n".join("  " + line for line in lines), err=True)
 
 
+@app.command()
+def demo(
+    stages: int = typer.Option(2, "--stages", "-n", help="Pipeline stages: a PDM ships for 2 and 4."),
+    prompt: Optional[str] = typer.Option(None, help="Your own prompt instead of the built-in one."),
+    max_new_tokens: int = typer.Option(128, min=1),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
+):
+    """The main job in one command: the embedded default target with its shipped PDM, next to AR."""
+    _setup(threads)
+    from .demo import PROMPT, print_report, run_demo
+
+    printed = [""]
+
+    def on_text(text):
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.flush()
+            printed[0] = text
+
+    typer.echo(f"> {prompt or PROMPT}\n", err=True)
+    try:
+        report = run_demo(stages, prompt or PROMPT, max_new_tokens, on_text)
+    except (FileNotFoundError, ValueError) as err:
+        fail(str(err))
+    print()
+    print_report(report)
+    if not report["identical"]:
+        raise typer.Exit(1)
+
+
 # Further commands register here, each one line: app.command("name")(module.function)
 
 
