@@ -153,6 +153,8 @@ def demo(
 
 
 # Further commands register here, each one line: app.command("name")(module.function)
+from .serve.command import serve  # noqa: E402  (options only; the server loads lazily)
+app.command("serve")(serve)
 
 
 def main() -> None:  # python -m spd.cli

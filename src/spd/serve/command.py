@@ -1,0 +1,44 @@
+"""The `spd serve` command: options only; the model, fastapi and uvicorn load when it runs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def serve(
+    model: str = typer.Option(..., help="Model folder, hub id, or 'default' (the embedded SmolLM2-135M-Instruct)."),
+    pdm: Optional[str] = typer.Option(None, help="PDM checkpoint folder from `spd train` (default: shipped one, else random)."),
+    stages: Optional[int] = typer.Option(None, "--stages", "-n", help="Pipeline stages n (default: the PDM's, else 2)."),
+    split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 8,8,7,7 (default: most even split)."),
+    distributed: bool = typer.Option(False, help="Run the stages on the distributed runtime (not available yet)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
+    queue_size: int = typer.Option(16, min=1, help="Requests that may wait while one decodes; more get 429."),
+    max_model_len: Optional[int] = typer.Option(None, help="Prompt + completion tokens at most (default: the model's)."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id clients send (default: --model as given)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", help="Device for the single-process engine, e.g. cpu or cuda:0."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health) over SPD."""
+    from ..cli import _setup, fail
+
+    _setup(threads, verbose)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        fail("spd serve needs fastapi and uvicorn: pip install 'spd[serve]'")
+    from ..loading import parse_dtype, parse_int_list
+    from .app import run
+    from .backend import BackendUnavailable, open_backend
+
+    try:
+        backend = open_backend(model, pdm, stages, parse_int_list(split, "--split"), distributed,
+                               parse_dtype(dtype), device, max_model_len, served_model_name)
+    except (BackendUnavailable, ValueError, FileNotFoundError, OSError) as err:
+        fail(str(err))
+    run(backend, host, port, queue_size, log_level="info" if verbose else "warning")
