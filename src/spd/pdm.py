@@ -113,7 +113,7 @@ class PDM(nn.Module):
         self.boundaries = stage_boundaries(split_layers(target.num_layers, config.n_stages,
                                                         list(config.stage_layers)))
         self.projections = nn.ModuleList(nn.Linear((i + 1) * hidden, hidden, bias=False) for i in range(m))
-        layer_cls = type(next(iter(target.layers.values())))
+        layer_cls = target.layer_class
         body_cfg = _body_config(target.config, config.num_layers)
         self.layers = nn.ModuleList(layer_cls(body_cfg, layer_idx=i) for i in range(config.num_layers))
         vocab = config.draft_vocab_size or target.vocab_size

@@ -86,6 +86,7 @@ class Target:
     lm_head: nn.Module | None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = ""                # e.g. LlamaForCausalLM (what PDM checkpoints record)
+    layer_type: type | None = None        # decoder layer class, for a Target holding no layers
 
     @classmethod
     def from_hf(cls, model) -> "Target":
@@ -96,6 +97,11 @@ class Target:
                    layers=dict(enumerate(body.layers)), rotary_emb=body.rotary_emb,
                    norm=body.norm, lm_head=model.lm_head, eos_token_ids=eos_ids_of(model),
                    architecture=type(model).__name__)
+
+    @property
+    def layer_class(self) -> type:
+        """The decoder layer class (the PDM body is built from it)."""
+        return type(next(iter(self.layers.values()))) if self.layers else self.layer_type
 
     @property
     def num_layers(self) -> int:
