@@ -66,11 +66,19 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", help="Device for the single-process engine, e.g. cpu or cuda:0."),
-    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice; --distributed: cores / processes)."),
+    distributed: bool = typer.Option(False, "--distributed", help="One process per stage: spawned here, or joined under torchrun."),
+    draft_rank: str = typer.Option("separate", help="--distributed: 'separate' (own rank: n+1 processes) or 'with-first-stage' (n)."),
+    devices: Optional[str] = typer.Option(None, help="--distributed: one device per rank, e.g. cuda:0,cuda:1,cuda:2 (default: GPU LOCAL_RANK, else CPU)."),
+    timeout: float = typer.Option(30.0, min=0.1, help="--distributed: seconds a message may take before the run fails, naming the stage."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
-    """Generate with SPD in one process; print the text and the decode statistics."""
-    _setup(threads, verbose)
+    """Generate with SPD (in one process, or --distributed); print the text and the decode statistics."""
+    _setup(threads if not distributed else None, verbose)
+    if distributed:
+        return _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k,
+                                     top_p, seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank,
+                                     devices, timeout)
     from . import engine
     from .baselines.ar import ar_generate
     from .loading import build_decoder, encode_prompt, parse_dtype, parse_int_list
@@ -104,6 +112,46 @@ def generate(
         print() if stream_text else print("token ids:", ",".join(map(str, result.tokens)))
         _print_stats(result.stats, dec.stage_layers, out)
     if compare_ar and params.greedy and not out["match"]:
+        raise typer.Exit(1)
+
+
+def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k, top_p,
+                          seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank, devices, timeout):
+    from .loading import parse_int_list
+    from .runtime import LayoutError, StageFailure
+    from .runtime.commands import distributed_generate
+    from .runtime.layout import parse_devices
+    from .sampling import SamplingParams
+
+    if (prompt is None) == (prompt_ids is None):
+        fail("give exactly one of --prompt or --prompt-ids")
+    text = None if as_json else TextStream
+    try:
+        out = distributed_generate(
+            model, prompt, parse_int_list(prompt_ids, "--prompt-ids"), stages, parse_int_list(split, "--split"), pdm,
+            SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed), max_new_tokens,
+            raw, ignore_eos, compare_ar, draft_rank, text, dtype=dtype, devices=parse_devices(devices),
+            timeout=timeout, threads=threads)
+    except (LayoutError, ValueError, FileNotFoundError, OSError) as err:
+        fail(str(err))
+    except StageFailure as err:
+        typer.secho(f"error: {err}", fg="red", err=True)
+        raise typer.Exit(1)
+    if out is None:  # a stage rank of a torchrun job
+        return
+    if as_json:
+        print(json.dumps(out))
+    else:
+        print() if out["text"] is not None else print("token ids:", ",".join(map(str, out["token_ids"])))
+        from .runtime.controller import DistributedStats
+
+        stats = DistributedStats(**{k: v for k, v in out["stats"].items() if k in DistributedStats.__dataclass_fields__})
+        _print_stats(stats, out["stage_layers"], out)
+        b = stats.breakdown
+        typer.echo(f"  per cycle: {b['cycle_ms']:.2f} ms = PDM {b['pdm_ms']:.2f}, slowest stage "
+                   f"{b['slowest_stage_ms']:.2f}, verify {b['verify_ms']:.2f}, communication "
+                   f"{b['communication_ms']:.2f} ms; stage idle {b['idle_ms']:.2f} ms", err=True) if b else None
+    if compare_ar and out.get("match") is False:
         raise typer.Exit(1)
 
 
@@ -155,6 +203,11 @@ def demo(
 # Further commands register here, each one line: app.command("name")(module.function)
 from .serve.command import serve  # noqa: E402  (options only; the server loads lazily)
 app.command("serve")(serve)
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: SPD and its baselines, measured the same way.")
+app.add_typer(bench_app, name="bench")  # `spd bench <name>`: bench_app.command("name")(module.function)
+from .bench.wallclock import bench_wallclock  # noqa: E402  (options only; the runtime loads lazily)
+bench_app.command("wallclock")(bench_wallclock)
 
 
 def main() -> None:  # python -m spd.cli

@@ -1,0 +1,173 @@
+"""`spd bench wallclock`: AR vs distributed SPD decode tokens/s, same run, same prompts, same cores.
+
+Per prompt, in turn (so a change in machine load hits both alike): AR decoding in this process
+with `--ar-threads` (default: every core), then distributed SPD with each drafter, its
+processes pinned to `--threads` each (default: cores / processes). The oracle drafter (the AR
+continuation: every draft accepted) is the upper bound of a perfect PDM; `pdm` is the shipped
+PDM for the split when there is one, else a random one (nearly every draft rejected). The AR
+model lives only in this harness process, for the baseline; the SPD control rank's own Target
+holds only embedding, norm and lm_head (+ stage 0 when co-located).
+This is a benchmark, not a test: it prints what it measured, and the ratio can fall short.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+import typer
+
+log = logging.getLogger(__name__)
+
+PROMPTS = [
+    "Explain why the sky is blue in a few sentences.",
+    "Write a short story about a robot who learns to paint.",
+    "What are the main differences between Python lists and tuples?",
+    "Give me three tips for staying focused while studying.",
+]
+
+
+def weighted_breakdown(runs: list[dict]) -> dict:
+    """Cycle-weighted mean of per-run breakdowns."""
+    total = sum(b["cycles"] for b in runs)
+    keys = ["cycle_ms", "pdm_ms", "slowest_stage_ms", "verify_ms", "communication_ms", "idle_ms"]
+    out = {key: sum(b[key] * b["cycles"] for b in runs) / total for key in keys}
+    out["stage_ms"] = [sum(b["stage_ms"][k] * b["cycles"] for b in runs) / total for k in range(len(runs[0]["stage_ms"]))]
+    out["cycles"] = total
+    return out
+
+
+def measure(model: str = "default", stages: int = 2, split: list[int] | None = None,
+            draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm"),
+            prompts: list[str] | None = None, max_new_tokens: int = 64, ar_threads: tuple[int, ...] = (),
+            threads: int | None = None, pdm: str | None = None, dtype: str = "float32") -> dict:
+    """Run the benchmark; returns {ar: {...}, <drafter>: {...}, settings: {...}}."""
+    import torch
+
+    from ..baselines.ar import ar_generate
+    from ..drafters import OracleDrafter
+    from ..loading import encode_prompt, parse_dtype
+    from ..runtime import plan, start
+    from ..target import load_target
+
+    spec = plan(model, stages, split, draft_rank, pdm, dtype=dtype, threads=threads, timeout=60.0)
+    cores = os.cpu_count() or 1
+    ar_threads = tuple(ar_threads) or tuple(sorted({cores, 1}, reverse=True))
+    spd_threads = spec.threads or max(1, cores // spec.layout.world_size)
+    target, tokenizer = load_target(spec.model, dtype=parse_dtype(dtype))
+    texts = prompts or PROMPTS
+    ids = [encode_prompt(tokenizer, text) if tokenizer is not None else [1, 2, 3] for text in texts]
+    results = {"ar": {t: {"threads": t, "tokens": 0, "seconds": 0.0} for t in ar_threads}}
+    results.update({name: {"tokens": 0, "seconds": 0.0, "cycles": 0, "accepted": 0, "rejected": 0,
+                           "identical": True, "breakdowns": []} for name in drafters})
+
+    def ar(prompt, new, threads):
+        torch.set_num_threads(threads)
+        return ar_generate(target, prompt, max_new_tokens=new, eos_token_ids=())
+
+    for t in ar_threads:
+        ar(ids[0], 8, t)   # warm-up
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with start(spec) as session:
+        torch.set_num_threads(spd_threads)
+        session.generate(ids[0], OracleDrafter([]), max_new_tokens=8, eos_token_ids=())   # warm-up
+        for prompt in ids:
+            for t in ar_threads:
+                reference, ar_stats = ar(prompt, max_new_tokens, t)
+                results["ar"][t]["tokens"] += ar_stats.new_tokens - 1
+                results["ar"][t]["seconds"] += ar_stats.decode_seconds
+            torch.set_num_threads(spd_threads)
+            for name in drafters:
+                drafter = OracleDrafter(reference) if name == "oracle" else session.default_drafter()
+                out = session.generate(prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=())
+                r, s = results[name], out.stats
+                r["tokens"] += s.new_tokens - 1
+                r["seconds"] += s.decode_seconds
+                r["cycles"] += s.cycles
+                r["accepted"] += s.accepted
+                r["rejected"] += s.rejected
+                r["identical"] &= out.tokens == reference
+                r["breakdowns"].append(s.breakdown)
+                log.info("%s: %d tokens in %.2f s", name, s.new_tokens, s.decode_seconds)
+    for r in results["ar"].values():
+        r["tokens_per_second"] = r["tokens"] / r["seconds"]
+    best = max(results["ar"].values(), key=lambda r: r["tokens_per_second"])
+    results["ar"] = list(results["ar"].values())
+    ar_rate, all_cores = best["tokens_per_second"], results["ar"][0]["tokens_per_second"]
+    for name in drafters:
+        r = results[name]
+        r["tokens_per_second"] = r["tokens"] / r["seconds"]
+        r["ratio_vs_ar"] = r["tokens_per_second"] / ar_rate   # against the fastest AR setting
+        r["ratio_vs_ar_first_setting"] = r["tokens_per_second"] / all_cores
+        r["tokens_per_cycle"] = (r["tokens"] + len(ids)) / r["cycles"] if r["cycles"] else 0.0
+        r["per_draft_acceptance"] = r["accepted"] / max(1, r["accepted"] + r["rejected"])
+        r["breakdown"] = weighted_breakdown(r.pop("breakdowns"))
+    results["settings"] = {"model": model, "stage_layers": list(spec.stage_layers), "draft_rank": draft_rank,
+                           "processes": spec.layout.world_size, "cores": cores, "ar_threads": list(ar_threads),
+                           "load_average_before": load_before,
+                           "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                           "spd_threads_per_process": spd_threads, "prompts": len(ids),
+                           "max_new_tokens": max_new_tokens, "dtype": dtype,
+                           "pdm": spec.pdm or "random (no shipped PDM for this split)"}
+    return results
+
+
+def format_report(results: dict) -> str:
+    s = results["settings"]
+    load = s["load_average_before"], s["load_average_after"]
+    lines = [f"wall-clock: {s['model']}, n={len(s['stage_layers'])} split={s['stage_layers']}, draft rank "
+             f"{s['draft_rank']} ({s['processes']} processes x {s['spd_threads_per_process']} threads; "
+             f"{s['cores']} cores), {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['dtype']}"
+             + (f"; load average {load[0]:.1f} -> {load[1]:.1f}" if load[0] is not None else "")]
+    for r in results["ar"]:
+        lines.append(f"  AR ({r['threads']} threads)    {r['tokens_per_second']:7.2f} tok/s")
+    for name, r in results.items():
+        if name in ("ar", "settings"):
+            continue
+        label = "SPD oracle" if name == "oracle" else "SPD pdm"
+        lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s  ratio {r['ratio_vs_ar']:.2f} (vs fastest AR)"
+                     f"  tokens/cycle {r['tokens_per_cycle']:.3f}  per-draft acceptance {r['per_draft_acceptance']:.3f}"
+                     f"  {'identical to AR' if r['identical'] else 'DIFFERENT from AR'}")
+        b = r["breakdown"]
+        lines.append(f"    per cycle {b['cycle_ms']:.1f} ms: slowest stage {b['slowest_stage_ms']:.1f} (stages "
+                     + "/".join(f"{t:.1f}" for t in b["stage_ms"])
+                     + f"), PDM {b['pdm_ms']:.1f}, verify {b['verify_ms']:.1f}, exposed communication "
+                     f"{b['communication_ms']:.1f}, stage idle {b['idle_ms']:.1f}")
+    lines.append(f"  PDM: {s['pdm']}")
+    return "\n".join(lines)
+
+
+def bench_wallclock(
+    model: str = typer.Option("default", help="Target model folder, hub id, or 'default' (SmolLM2-135M-Instruct)."),
+    stages: int = typer.Option(2, "--stages", "-n", min=1, help="Pipeline stages n."),
+    split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 13,17 (default: most even split)."),
+    draft_rank: str = typer.Option("with-first-stage", help="'separate' (n+1 processes) or 'with-first-stage' (n)."),
+    drafters: str = typer.Option("oracle,pdm", help="Comma-separated: oracle (upper bound), pdm (shipped, else random)."),
+    pdm: Optional[str] = typer.Option(None, help="PDM checkpoint (default: the shipped one for the split)."),
+    max_new_tokens: int = typer.Option(64, min=2, help="New tokens per prompt (EOS ignored)."),
+    prompts: int = typer.Option(len(PROMPTS), min=1, max=len(PROMPTS), help="How many of the built-in prompts."),
+    ar_threads: Optional[str] = typer.Option(None, help="torch threads for AR, one run each, e.g. 2,1 (default: every core, and 1); ratios are against the fastest."),
+    threads: Optional[int] = typer.Option(None, help="torch threads per SPD process (default: cores / processes)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+):
+    """AR vs distributed SPD decode tokens/s on the same prompts and cores; ratio, acceptance, cycle breakdown."""
+    from ..loading import parse_int_list
+    from ..runtime import LayoutError, StageFailure
+
+    names = tuple(d.strip() for d in drafters.split(",") if d.strip())
+    if not names or any(d not in ("oracle", "pdm") for d in names):
+        raise typer.BadParameter(f"--drafters takes oracle and/or pdm, got {drafters!r}")
+    try:
+        results = measure(model, stages, parse_int_list(split, "--split"), draft_rank, names,
+                          PROMPTS[:prompts], max_new_tokens, tuple(parse_int_list(ar_threads, "--ar-threads") or ()),
+                          threads, pdm, dtype)
+    except (LayoutError, ValueError, FileNotFoundError) as err:
+        typer.secho(f"error: {err}", fg="red", err=True)
+        raise typer.Exit(2)
+    except StageFailure as err:
+        typer.secho(f"error: {err}", fg="red", err=True)
+        raise typer.Exit(1)
+    print(json.dumps(results, indent=2) if as_json else format_report(results))

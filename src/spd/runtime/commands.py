@@ -1,0 +1,63 @@
+"""`spd generate --distributed`: the CLI's one call into the runtime (printing stays in the CLI)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as err:
+        log.info("no tokenizer in %s (%s); token ids only", folder, err)
+        return None
+
+
+def distributed_generate(model: str, prompt: str | None, prompt_ids: list[int] | None, stages: int | None,
+                         split: list[int] | None, pdm: str | None, params: SamplingParams, max_new_tokens: int,
+                         raw: bool, ignore_eos: bool, compare_ar: bool, draft_rank: str,
+                         on_token_for: Callable | None = None, **options) -> dict | None:
+    """Plan (checks, no weights), start or join the processes, decode one prompt on rank 0.
+
+    Returns the CLI's output dict on rank 0 and None on the other ranks of a torchrun job.
+    Raises LayoutError/ValueError for bad arguments (before any weights load) and
+    StageFailure when a stage dies or hangs.
+    """
+    from ..loading import encode_prompt
+    from .launch import plan, start
+
+    spec = plan(model, stages, split, draft_rank, pdm, **options)
+    tokenizer = load_tokenizer(spec.model)
+    ids = prompt_ids if prompt_ids is not None else encode_prompt(tokenizer, prompt, raw)
+    session = start(spec)
+    if session is None:   # this rank ran a stage until rank 0 said STOP
+        return None
+    with session:
+        vocab = session.target.vocab_size
+        if not ids or max(ids) >= vocab or min(ids) < 0:
+            raise ValueError(f"prompt ids must lie in [0, {vocab}); got {ids}")
+        eos = () if ignore_eos else session.target.eos_token_ids
+        on_token = on_token_for(tokenizer) if on_token_for is not None and tokenizer is not None else None
+        result = session.generate(ids, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                                  on_token=on_token)
+    out = {"text": tokenizer.decode(result.tokens, skip_special_tokens=True) if tokenizer else None,
+           "token_ids": result.tokens, "stats": result.stats.to_dict(), "stage_layers": list(spec.stage_layers),
+           "draft_rank": spec.draft_rank}
+    if compare_ar:  # an explicit check: loads the whole model into this process once more
+        from ..baselines.ar import ar_generate
+        from ..loading import parse_dtype
+        from ..target import load_target
+
+        target, _ = load_target(spec.model, dtype=parse_dtype(spec.dtype))
+        ar_tokens, ar_stats = ar_generate(target, ids, params, max_new_tokens, eos)
+        out.update(ar_token_ids=ar_tokens, ar_decode_seconds=ar_stats.decode_seconds,
+                   ar_decode_tokens_per_second=ar_stats.decode_tokens_per_second,
+                   match=ar_tokens == result.tokens if params.greedy else None)
+    return out

@@ -1,0 +1,320 @@
+"""Starting a distributed run: check the plan, start or join the processes, and a Session on rank 0.
+
+- `plan(...)` turns user arguments into a `RunSpec` after checking them against the model's
+  config.json and the PDM checkpoint's JSON (never any weights): a bad n or split fails here.
+- `start(spec)` spawns the stage processes on this machine (this process becomes rank 0), or,
+  under torchrun (RANK/WORLD_SIZE set), joins as the rank torchrun gave: rank 0 gets a Session,
+  the other ranks serve their stage until STOP and get None.
+- `Session.stream/generate` decode on rank 0; a failed message wait becomes a `StageFailure`
+  naming the stage and the cause (see faults.py); `close` stops every process it started and
+  kills what does not stop (children also die with the parent: no orphans).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import read_config
+from ..engine import GenerationResult
+from ..pdm import default_anchors
+from ..sampling import SamplingParams
+from ..shipped import shipped_pdm
+from .controller import Controller, CycleTimes, DistributedStats, breakdown
+from .faults import StageFailure, describe_exit, diagnose, read_status
+from .layout import CONTROL_RANK, Layout, LayoutError, backend_for, default_threads, pick_device
+from .protocol import Link, PeerError
+from .weights import read_model_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every rank needs, decided before any weights load (JSON-able for the workers)."""
+
+    model: str                       # model folder
+    stage_layers: tuple[int, ...]
+    draft_rank: str = "separate"
+    anchors: tuple[int, ...] = ()    # hidden-state indices the stages report to rank 0
+    dtype: str = "float32"
+    devices: tuple[str, ...] | None = None
+    timeout: float = 30.0            # bound on every message wait during a sequence
+    idle_timeout: float = 600.0      # how long a stage waits for the next sequence
+    threads: int | None = None       # torch threads per process (None: cores / local processes)
+    pdm: str | None = None           # PDM checkpoint folder; None: a random PDM (rank 0 only)
+    pdm_layers: int = 1
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(sum(self.stage_layers), len(self.stage_layers), list(self.stage_layers), self.draft_rank)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        data = json.loads(text)
+        data["stage_layers"], data["anchors"] = tuple(data["stage_layers"]), tuple(data["anchors"])
+        data["devices"] = tuple(data["devices"]) if data["devices"] else None
+        return cls(**data)
+
+
+def plan(model: str, stages: int | None = None, split: list[int] | None = None, draft_rank: str = "separate",
+         pdm: str | None = None, **options) -> RunSpec:
+    """Check the arguments against config.json and the PDM's JSON; raise LayoutError if they clash."""
+    folder, config = read_model_config(model)
+    num_layers = config.num_hidden_layers
+    pdm = pdm if pdm is not None else shipped_pdm(model, stages, split)
+    pdm_config = read_config(pdm) if pdm is not None else None
+    if pdm_config is not None and stages is None and split is None:
+        split = list(pdm_config.stage_layers)
+    if split is not None and stages is not None and len(split) != stages:
+        raise LayoutError(f"--split has {len(split)} counts ({split}) but --stages is {stages}")
+    n = len(split) if split is not None else (stages or 2)
+    layout = Layout.of(num_layers, n, split, draft_rank)
+    counts = tuple(len(s) for s in layout.stages)
+    if pdm_config is not None:
+        if pdm_config.target.num_layers != num_layers:
+            raise LayoutError(f"PDM checkpoint {pdm} was made for a target with {pdm_config.target.num_layers} "
+                              f"layers, but {model} has {num_layers}")
+        if tuple(pdm_config.stage_layers) != counts:
+            raise LayoutError(f"PDM checkpoint {pdm} was trained for n={pdm_config.n_stages} stages split "
+                              f"{list(pdm_config.stage_layers)}, but {n} stages split {list(counts)} were asked "
+                              f"for; use --stages {pdm_config.n_stages} or train a PDM for this split")
+    anchors = tuple(pdm_config.anchors) if pdm_config is not None else tuple(default_anchors(list(counts)))
+    return RunSpec(model=str(folder), stage_layers=counts, draft_rank=draft_rank, anchors=anchors, pdm=pdm,
+                   **options)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _names(layout: Layout) -> dict[int, str]:
+    return {rank: layout.role(rank) for rank in range(layout.world_size)}
+
+
+READY = "loaded its weights"
+
+
+def pick_rank_device(spec: RunSpec, rank: int, world_size: int, local_rank: int) -> torch.device:
+    device = pick_device(rank, local_rank, list(spec.devices) if spec.devices else None, world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def init_rank(spec: RunSpec, rank: int, world_size: int, store, local_rank: int, local_world: int):
+    """Threads, device and process group of one rank; returns its device."""
+    torch.set_num_threads(spec.threads or default_threads(local_world))
+    device = pick_rank_device(spec, rank, world_size, local_rank)
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore("pg", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=spec.idle_timeout))
+    return device
+
+
+def connect_store(host: str, port: int, world_size: int, master: bool, timeout: float = 60.0):
+    return dist.TCPStore(host, port, world_size, is_master=master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+class Session:
+    """Rank 0's handle on a running job: decode sequences, then `close` (or use `with`)."""
+
+    def __init__(self, spec: RunSpec, controller: Controller, store, workers: dict | None, pdm):
+        self.spec, self.controller, self.store, self.workers, self.pdm = spec, controller, store, workers, pdm
+        self.layout = spec.layout
+        self.closed = False
+
+    @property
+    def target(self):
+        return self.controller.target
+
+    def default_drafter(self):
+        from ..drafters import PDMDrafter
+
+        return PDMDrafter(self.pdm)
+
+    def _exit_codes(self) -> dict[int, int | None]:
+        return {rank: proc.poll() for rank, proc in (self.workers or {}).items()}
+
+    def _failure(self, err: PeerError) -> StageFailure:
+        failure = diagnose(self.store, self.layout, err.rank, str(err),
+                           self._exit_codes if self.workers is not None else None, timeout=self.spec.timeout)
+        log.error("distributed run failed: %s", failure)
+        self.close(failed=True)
+        return failure
+
+    def stream(self, prompt_ids: list[int], drafter=None, params: SamplingParams = SamplingParams(),
+               max_new_tokens: int = 128, eos_token_ids=None, stats: DistributedStats | None = None
+               ) -> Iterator[int]:
+        """Yield the new tokens of one sequence; fills `stats` (breakdown included) at the end."""
+        if self.closed:
+            raise StageFailure("this distributed session is closed")
+        drafter = drafter if drafter is not None else self.default_drafter()
+        eos = self.target.eos_token_ids if eos_token_ids is None else eos_token_ids
+        stats = stats if stats is not None else DistributedStats(self.layout.n_stages)
+        cycles: list[CycleTimes] = []
+        log.info("decoding a %d-token prompt, up to %d new tokens, on %d stages", len(prompt_ids),
+                 max_new_tokens, self.layout.n_stages)
+        try:
+            yield from self.controller.stream(drafter, prompt_ids, params, max_new_tokens, eos, stats, cycles)
+            times = self.controller.gather_timings(stats.cycles)
+        except PeerError as err:
+            raise self._failure(err) from err
+        stats.stage_seconds = [sum(t[1:]) for t in times]
+        stats.breakdown = breakdown(cycles, [t[1:] for t in times])
+        stats.breakdown["prefill_stage_ms"] = [1000.0 * t[0] for t in times]
+
+    def generate(self, prompt_ids: list[int], drafter=None, params: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 128, eos_token_ids=None,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        stats = DistributedStats(self.layout.n_stages)
+        tokens = []
+        for token in self.stream(prompt_ids, drafter, params, max_new_tokens, eos_token_ids, stats):
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+        return GenerationResult(tokens, stats)
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the stages (STOP, or kill them after a failure) and leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        if not failed:
+            try:
+                self.controller.stop()
+            except PeerError as err:
+                log.warning("stopping the stages: %s", err)
+                failed = True
+        for proc in (self.workers or {}).values():
+            _reap(proc, grace=0.5 if failed else 10.0)
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError) as err:  # peers gone: nothing left to tear down
+            log.debug("destroy_process_group: %s", err)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(failed=exc[0] is not None)
+
+
+def _reap(proc: subprocess.Popen, grace: float) -> None:
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start(spec: RunSpec) -> Session | None:
+    """Spawn the stage processes here, or join torchrun's job (None on ranks other than 0)."""
+    if under_torchrun():
+        return _join_torchrun(spec)
+    return _spawn_local(spec)
+
+
+def _spawn_local(spec: RunSpec) -> Session:
+    layout = spec.layout
+    world = layout.world_size
+    store = connect_store("127.0.0.1", 0, world, master=True)   # port 0: the OS picks a free one
+    workers = {}
+    try:
+        for rank in range(1, world):
+            command = [sys.executable, "-m", "spd.runtime.worker", "--spec", spec.to_json(), "--rank", str(rank),
+                       "--world-size", str(world), "--master", f"127.0.0.1:{store.port}"]
+            workers[rank] = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        log.info("started %s", ", ".join(f"{layout.role(r)} as rank {r} (pid {p.pid})" for r, p in workers.items()))
+        return _control(spec, store, world, local_rank=0, local_world=world, workers=workers)
+    except BaseException:
+        for proc in workers.values():
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def _join_torchrun(spec: RunSpec) -> Session | None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    spec.layout.check_world_size(world)   # before any weights load
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          master=rank == CONTROL_RANK and not agent_store)
+    store = dist.PrefixStore(f"spd/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+                             f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if rank != CONTROL_RANK:
+        from .worker import run_stage
+
+        run_stage(spec, rank, world, store, local_rank, local_world)
+        return None
+    return _control(spec, store, world, local_rank, local_world, workers=None)
+
+
+def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int, workers) -> Session:
+    """Rank 0: load embedding, norm, lm_head (+ stage 0), the PDM; build the controller."""
+    from ..loading import parse_dtype
+    from .stage import StageWorker
+    from .weights import load_partial_target
+
+    layout = spec.layout
+    torch.set_num_threads(spec.threads or default_threads(local_world))
+    device = pick_rank_device(spec, CONTROL_RANK, world, local_rank)
+    own = layout.stages[0] if layout.colocated else range(0)
+    target = load_partial_target(spec.model, own, embed=True, head=True, dtype=parse_dtype(spec.dtype), device=device)
+    pdm = _load_pdm(spec, target)
+    _wait_ready(store, layout, workers, spec.idle_timeout)
+    init_rank(spec, CONTROL_RANK, world, store, local_rank, local_world)
+    link = Link(device, spec.timeout, _names(layout), spec.idle_timeout)
+    local = StageWorker(target, layout, 0, link, spec.anchors) if layout.colocated else None
+    controller = Controller(target, layout, link, spec.anchors, local)
+    return Session(spec, controller, store, workers, pdm)
+
+
+def _wait_ready(store, layout: Layout, workers, timeout: float) -> None:
+    """Wait until every stage process loaded its weights; fail fast if one dies or errs."""
+    deadline = time.monotonic() + timeout
+    pending = [r for r in range(layout.world_size) if layout.stage_of(r) is not None and r != CONTROL_RANK]
+    while pending:
+        for rank in list(pending):
+            status = read_status(store, rank) or {}
+            code = workers[rank].poll() if workers else None
+            if status.get("error") or code is not None:
+                why = status.get("error") or describe_exit(code)
+                raise StageFailure(f"{layout.role(rank)} (rank {rank}) failed while starting: {why}",
+                                   layout.stage_of(rank))
+            if status.get("state") == READY:
+                pending.remove(rank)
+        if pending and time.monotonic() > deadline:
+            raise StageFailure(f"{', '.join(layout.role(r) for r in pending)} did not load within {timeout:.0f} s",
+                               layout.stage_of(pending[0]))
+        time.sleep(0.05)
+
+
+def _load_pdm(spec: RunSpec, target):
+    from ..checkpoint import load_pdm
+    from ..pdm import PDM
+
+    if spec.pdm is not None:
+        return load_pdm(spec.pdm, target, list(spec.stage_layers))
+    log.warning("no --pdm given: drafting with a randomly initialised PDM. Output is still exact, "
+                "but almost every draft is rejected; train one with `spd train`.")
+    return PDM.create(target, list(spec.stage_layers), list(spec.anchors), num_layers=spec.pdm_layers).eval()

@@ -1,0 +1,148 @@
+"""The runtime's messages: one command per cycle broadcast by rank 0, and point-to-point tensors.
+
+Every cycle rank 0 broadcasts a `Command` (int64 x 4): the op, the newest and oldest in-flight
+positions, and the position to crop every KV cache to first (the last cycle's rejection, or 0
+for a new sequence). From it each stage works out alone whether it runs this cycle and on which
+position (stage k runs position newest - k when that is in flight), and whether its upstream
+neighbour sent it a hidden state last cycle. Tensors that flow:
+
+- control -> stage 0: the new token's embedding (1, 1, H) (the prompt's (1, P, H) at prefill);
+- stage k -> stage k+1: its output, which stage k+1 runs in the NEXT cycle (at prefill: at once);
+- stage k -> control: its *report* (r_k, q, H): the hidden states at the anchors it passes and,
+  for the last stage, its output (index L, pre-norm) -- the finished token the control verifies;
+- at a STATS command: each stage's compute seconds per cycle (float64) since the last STATS.
+
+`Link` wraps torch.distributed point-to-point calls with a deadline on every wait; a wait that
+fails raises `PeerError` naming the peer and what was expected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .layout import CONTROL_RANK
+
+
+class Op(enum.IntEnum):
+    PREFILL = 0   # a new sequence: crop to 0, run positions 0..newest through every stage
+    STEP = 1      # one decode cycle
+    STATS = 2     # send per-cycle compute times to the control rank
+    STOP = 3      # leave the stage loop
+
+
+@dataclass(frozen=True)
+class Command:
+    op: Op
+    newest: int = -1     # newest in-flight position (PREFILL: the prompt's last position)
+    first: int = 0       # oldest in-flight position
+    crop: int = -1       # crop every KV cache to this position before anything else (-1: keep)
+
+    def position(self, k: int) -> int | None:
+        """The position stage k runs under this command (STEP), or None when it idles."""
+        if self.op != Op.STEP:
+            return None
+        position = self.newest - k
+        return position if position >= self.first else None
+
+    def encode(self, device) -> torch.Tensor:
+        return torch.tensor([int(self.op), self.newest, self.first, self.crop], dtype=torch.long, device=device)
+
+    @classmethod
+    def decode(cls, data: torch.Tensor) -> "Command":
+        op, newest, first, crop = data.tolist()
+        return cls(Op(op), newest, first, crop)
+
+
+def report_indices(stage: range, anchors, num_layers: int, last: bool) -> list[int]:
+    """Hidden-state indices stage `stage` reports: the anchors it produces, plus L for the last."""
+    wanted = set(anchors) | ({num_layers} if last else set())
+    return sorted(a for a in wanted if stage.start < a <= stage.stop)
+
+
+class PeerError(RuntimeError):
+    """A message from or to `rank` did not complete: it timed out or the connection broke."""
+
+    def __init__(self, rank: int, what: str, reason: str):
+        super().__init__(f"{what} (rank {rank}): {reason}")
+        self.rank, self.what, self.reason = rank, what, reason
+
+
+class Link:
+    """Point-to-point tensors and the per-cycle command, every wait bounded by `timeout` s.
+
+    `names` maps ranks to roles for messages ("stage 1"); `on_wait` (optional) is told what the
+    process waits for, so a status board can say it when something hangs.
+    """
+
+    def __init__(self, device: torch.device, timeout: float, names: dict[int, str],
+                 idle_timeout: float | None = None, on_wait=None):
+        self.device, self.names = device, names
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.idle_timeout = datetime.timedelta(seconds=idle_timeout or timeout)
+        self.on_wait = on_wait or (lambda state: None)
+        self.pending = []          # (work, tensor, peer, what, cycle) of sends not yet known complete
+        self.cycle = 0             # sends are tagged with it; see flush(before_cycle=True)
+        self.comm_seconds = 0.0    # time spent blocked in waits
+
+    def _wait(self, work, rank: int, what: str, timeout) -> None:
+        self.on_wait(f"waiting for {what} (rank {rank})")
+        t = time.perf_counter()
+        try:
+            work.wait(timeout=timeout)
+        except RuntimeError as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            kind = "timed out" if "timed out" in reason.lower() or "timeout" in reason.lower() else "failed"
+            raise PeerError(rank, what, f"{kind} after {time.perf_counter() - t:.1f} s: {reason}") from err
+        finally:
+            self.comm_seconds += time.perf_counter() - t
+
+    def name(self, rank: int) -> str:
+        return self.names.get(rank, f"rank {rank}")
+
+    def send(self, tensor: torch.Tensor, rank: int, what: str) -> None:
+        """Start sending; completion is checked at a later `flush` (the tensor stays referenced).
+        A send completes only once the peer posted the matching receive."""
+        self.pending.append((dist.isend(tensor.contiguous(), rank), tensor, rank, what, self.cycle))
+
+    def flush(self, before_cycle: bool = False) -> None:
+        """Wait for the sends started so far (only those of earlier cycles with before_cycle:
+        stage 1 takes stage 0's output of this cycle only when the next command came)."""
+        keep = [entry for entry in self.pending if before_cycle and entry[4] >= self.cycle]
+        done = [entry for entry in self.pending if not (before_cycle and entry[4] >= self.cycle)]
+        self.pending = keep
+        for work, _tensor, rank, what, _cycle in done:
+            self._wait(work, rank, f"{what} to reach {self.name(rank)}", self.timeout)
+
+    def post(self, shape, dtype, rank: int, what: str):
+        """Start receiving a tensor; `take` returns it once it arrived."""
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        return dist.irecv(buffer, rank), buffer, rank, what
+
+    def take(self, posted) -> torch.Tensor:
+        work, buffer, rank, what = posted
+        self._wait(work, rank, f"{what} from {self.name(rank)}", self.timeout)
+        return buffer
+
+    def recv(self, shape, dtype, rank: int, what: str) -> torch.Tensor:
+        return self.take(self.post(shape, dtype, rank, what))
+
+    def broadcast(self, command: Command) -> None:
+        """Rank 0: send this cycle's command to every rank (completion checked at `flush`)."""
+        data = command.encode(self.device)
+        self.cycle += 1
+        self.pending.append((dist.broadcast(data, src=CONTROL_RANK, async_op=True), data, CONTROL_RANK,
+                             "the command broadcast", self.cycle - 1))
+
+    def receive_command(self, idle: bool = True) -> Command:
+        """Any other rank: the next command (waiting at most `idle_timeout` between sequences)."""
+        data = torch.empty(4, dtype=torch.long, device=self.device)
+        work = dist.broadcast(data, src=CONTROL_RANK, async_op=True)
+        self._wait(work, CONTROL_RANK, "the next command from the control rank",
+                   self.idle_timeout if idle else self.timeout)
+        return Command.decode(data.cpu())

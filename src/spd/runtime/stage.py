@@ -1,0 +1,135 @@
+"""A pipeline stage: its layers, their KV cache, and the loop that obeys the per-cycle command.
+
+`StageWorker.handle(command)` is everything a stage does in one cycle: crop its cache if told,
+take its input (stage 0: the new token's embedding from the control rank; stage k > 0: the
+hidden state stage k-1 produced LAST cycle, which arrived while both were busy), run its layers
+on the position the command assigns it, pass the output downstream for the next cycle, and
+report the anchor hidden states it produced (plus, on the last stage, the finished token's
+output) to the control rank. So all stages compute at once, each on a different token.
+
+The same worker runs inside the control process for `--draft-rank with-first-stage`; then it
+returns its report instead of sending it. `serve` is the loop of a stage process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..cache import KVCache
+from ..target import Target
+from .layout import CONTROL_RANK, Layout
+from .protocol import Command, Link, Op, report_indices
+
+log = logging.getLogger(__name__)
+
+
+def now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class StageWorker:
+    """Stage k of `layout` on `target` (which must hold at least that stage's layers)."""
+
+    def __init__(self, target: Target, layout: Layout, k: int, link: Link, anchors):
+        self.target, self.layout, self.k, self.link = target, layout, k, link
+        self.stage = layout.stages[k]
+        missing = [i for i in self.stage if i not in target.layers]
+        assert not missing, f"stage {k} needs layers {list(self.stage)}, this process lacks {missing}"
+        self.last = k == layout.n_stages - 1
+        self.rows = report_indices(self.stage, anchors, layout.num_layers, self.last)
+        self.record = set(self.rows)
+        self.cache = KVCache(self.stage)
+        self.upstream = CONTROL_RANK if k == 0 else layout.stage_rank(k - 1)
+        self.downstream = None if self.last else layout.stage_rank(k + 1)
+        self.local = layout.stage_rank(k) == CONTROL_RANK   # runs inside the control process
+        self.previous: Command | None = None   # the last STEP, to know what upstream sent
+        self.carried: tuple[int, torch.Tensor] | None = None
+        self.cycle_seconds: list[float] = []   # compute time per STEP of the current sequence
+        self.prefill_seconds = 0.0
+
+    def take_carried(self) -> None:
+        """At every command, first: receive what stage k-1 sent in the previous STEP, if it ran
+        then (to use now, or to drop when a rejection made it stale)."""
+        self.carried = None
+        if self.k == 0 or self.previous is None:
+            return
+        position = self.previous.position(self.k - 1)
+        if position is not None:
+            hidden = self.link.recv((1, 1, self.target.hidden_size), self.target.dtype, self.upstream,
+                                    f"the hidden state of position {position}")
+            self.carried = (position, hidden)
+        self.previous = None
+
+    @torch.inference_mode()
+    def handle(self, command: Command, given: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Apply one PREFILL or STEP command; return the report (r, q, H) or None.
+
+        `given` is stage 0's input when it runs in the control process.
+        """
+        carried, self.carried = self.carried, None   # taken by take_carried() for this command
+        self.previous = command if command.op == Op.STEP else None
+        if command.crop >= 0:
+            self.cache.crop(command.crop)
+        if command.op == Op.PREFILL:
+            length = command.newest + 1
+            self.cycle_seconds, self.prefill_seconds = [], 0.0
+            hidden = given if given is not None else self.link.recv(
+                (1, length, self.target.hidden_size), self.target.dtype, self.upstream,
+                "the prompt's hidden states")
+            positions = torch.arange(length, device=self.link.device)
+        else:
+            position = command.position(self.k)
+            if position is None:
+                self.cycle_seconds.append(0.0)
+                return None
+            if self.k == 0:
+                hidden = given if given is not None else self.link.recv(
+                    (1, 1, self.target.hidden_size), self.target.dtype, self.upstream,
+                    f"the embedding of position {position}")
+            else:
+                assert carried is not None and carried[0] == position, (self.k, carried, command)
+                hidden = carried[1]
+            positions = torch.tensor([position], device=self.link.device)
+        t = now(self.link.device)
+        out, snapshots = self.target.run_layers(hidden, positions, self.stage, self.cache, self.record)
+        elapsed = now(self.link.device) - t
+        if command.op == Op.PREFILL:
+            self.prefill_seconds = elapsed
+        else:
+            self.cycle_seconds.append(elapsed)
+        if self.downstream is not None:
+            self.link.send(out, self.downstream, "the output of stage %d" % self.k)
+        if not self.rows:
+            return None
+        report = torch.stack([snapshots[i] for i in self.rows])
+        if not self.local:
+            self.link.send(report, CONTROL_RANK, "the report of stage %d" % self.k)
+        return report
+
+    def timings(self) -> torch.Tensor:
+        """[prefill seconds, compute seconds of every STEP] of the current sequence (float64)."""
+        return torch.tensor([self.prefill_seconds, *self.cycle_seconds], dtype=torch.float64,
+                            device=self.link.device)
+
+
+def serve(worker: StageWorker, link: Link, board=None) -> None:
+    """A stage process's loop: obey commands until STOP."""
+    set_state = board.set if board is not None else (lambda state: None)
+    while True:
+        command = link.receive_command(idle=True)
+        worker.take_carried()
+        link.flush()   # last cycle's sends: their receivers posted by now
+        if command.op == Op.STOP:
+            log.debug("stage %d: stop", worker.k)
+            return
+        if command.op == Op.STATS:
+            link.send(worker.timings(), CONTROL_RANK, "the timings of stage %d" % worker.k)
+        else:
+            cycle = "prefill" if command.op == Op.PREFILL else f"position {command.position(worker.k)}"
+            set_state(f"computing {cycle}")
+            worker.handle(command)

@@ -1,0 +1,89 @@
+"""A stage process: `python -m spd.runtime.worker --spec JSON --rank R --world-size W --master H:P`.
+
+Started by `spd.runtime.launch` on one machine, or reached through `start()` on ranks > 0 under
+torchrun. Loads only its stage's layers, publishes its status, serves commands until STOP, and
+exits non-zero (after publishing why) on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from .faults import StatusBoard, die_with_parent
+from .layout import CONTROL_RANK
+from .protocol import Link, PeerError
+
+log = logging.getLogger(__name__)
+
+
+def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_world: int) -> None:
+    """Everything a stage rank does; raises SystemExit(1) after a failure."""
+    from ..loading import parse_dtype
+    from .launch import READY, _names, init_rank, pick_rank_device
+    from .stage import StageWorker, serve
+    from .weights import load_partial_target, parameter_count
+
+    layout = spec.layout
+    k = layout.stage_of(rank)
+    assert k is not None and rank != CONTROL_RANK, f"rank {rank} runs no stage in {layout}"
+    board = StatusBoard(store, rank).start()
+    try:
+        board.set("loading its layers")
+        device = pick_rank_device(spec, rank, world_size, local_rank)
+        target = load_partial_target(spec.model, layout.stages[k], embed=False, head=False,
+                                     dtype=parse_dtype(spec.dtype), device=device)
+        board.info = {"params": parameter_count(target), "layers": sorted(target.layers)}
+        board.set(READY)
+        board.publish()
+        init_rank(spec, rank, world_size, store, local_rank, local_world)
+        link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, on_wait=board.set)
+        worker = StageWorker(target, layout, k, link, spec.anchors)
+        log.info("stage %d (rank %d, pid %d): layers %d..%d on %s", k, rank, os.getpid(),
+                 layout.stages[k].start, layout.stages[k].stop - 1, device)
+        serve(worker, link, board)
+        board.set("stopped")
+    except PeerError as err:
+        board.fail(f"lost contact: {err}", peer=True)
+        print(f"spd stage {k} (rank {rank}): {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except Exception as err:  # noqa: BLE001 -- any failure must reach the control rank
+        board.fail(f"{type(err).__name__}: {err}", peer=False)
+        traceback.print_exc()
+        raise SystemExit(1) from None
+    finally:
+        board.publish()
+        board.stop()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master", required=True, help="host:port of rank 0's store")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    parent = os.getppid()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .launch import RunSpec, connect_store
+
+    host, port = args.master.rsplit(":", 1)
+    if os.getppid() != parent or parent == 1:   # the parent died before prctl took effect
+        raise SystemExit(1)
+    store = connect_store(host, int(port), args.world_size, master=False)
+    run_stage(RunSpec.from_json(args.spec), args.rank, args.world_size, store, args.rank, args.world_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Distributed runtime through its entry points: faults, bad arguments, torchrun across "nodes".
+
+- a stage process killed (SIGKILL) or frozen (SIGSTOP) mid-generation: the control rank names
+  the stage and the cause within the timeout, exits non-zero, and no process is left behind;
+- bad arguments fail before any weights load (the model folder here has no weights at all);
+- two torchrun "nodes" on loopback run one job and produce the AR tokens.
+"""
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from conftest import tiny_model
+from spd.baselines.ar import ar_generate
+from spd.cli import app
+from spd.target import Target
+
+PROMPT = [3, 17, 5, 9, 22]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    model = tiny_model("llama", num_layers=6, seed=3)
+    model.save_pretrained(root / "model")
+    (root / "config_only").mkdir()
+    (root / "config_only" / "config.json").write_text((root / "model" / "config.json").read_text())
+    return model, root
+
+
+def spd_generate(folder, *extra) -> list[str]:
+    return [sys.executable, "-m", "spd.cli", "generate", "--model", str(folder), "--prompt-ids",
+            ",".join(map(str, PROMPT)), "--distributed", "--threads", "1", *extra]
+
+
+class Run:
+    """A `spd generate --distributed` subprocess whose stderr is read line by line."""
+
+    def __init__(self, command):
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines, self.stderr = queue.Queue(), []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                match = re.search(pattern, self.lines.get(timeout=0.2))
+            except queue.Empty:
+                assert self.proc.poll() is None, "".join(self.stderr)
+                continue
+            if match:
+                return match
+        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{''.join(self.stderr)}")
+
+    def kill(self):
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            child.kill()
+        self.proc.kill()
+
+
+def stage_pids(run: Run) -> dict[int, int]:
+    line = run.wait_for(r"started (.*)", 120).group(1)
+    return {int(k): int(pid) for k, pid in re.findall(r"stage (\d+) as rank \d+ \(pid (\d+)\)", line)}
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_failed_stage_is_named_within_the_timeout_and_nothing_is_left(folders, how):
+    _, root = folders
+    timeout = 4.0
+    layout = ["--stages", "3", "--draft-rank", "separate"] if how == "killed" else \
+             ["--stages", "2", "--draft-rank", "with-first-stage"]
+    run = Run(spd_generate(root / "model", *layout, "--timeout", str(timeout), "--max-new-tokens", "20000",
+                           "--ignore-eos", "-v"))
+    try:
+        pids = stage_pids(run)
+        run.wait_for(r"decoding a 5-token prompt", 120)
+        time.sleep(0.5)   # mid-generation
+        victim = 1
+        os.kill(pids[victim], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        run.proc.wait(timeout=timeout + 20)
+        elapsed = time.monotonic() - t0
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    err = "".join(run.stderr)
+    assert run.proc.returncode == 1, err
+    assert elapsed < timeout + 10, (elapsed, err)
+    message = [line for line in err.splitlines() if line.startswith("error:")][-1]
+    assert f"stage {victim} (rank" in message, message
+    assert ("killed by SIGKILL" if how == "killed" else "stopped responding (no heartbeat)") in message, message
+    time.sleep(0.2)
+    assert all(gone(pid) for pid in pids.values()), err
+
+
+def test_bad_arguments_fail_before_any_weights_load(folders, monkeypatch):
+    _, root = folders
+    runner = CliRunner()
+    base = ["generate", "--model", str(root / "config_only"), "--prompt-ids", "1,2", "--distributed"]
+    result = runner.invoke(app, [*base, "--stages", "7"])
+    assert result.exit_code == 2 and "n=7 stages but the model has only 6 layers" in result.output
+    result = runner.invoke(app, [*base, "--split", "4,4"])
+    assert result.exit_code == 2 and "sum to 8, but the model has 6 layers" in result.output
+    result = runner.invoke(app, [*base, "--stages", "2", "--draft-rank", "elsewhere"])
+    assert result.exit_code == 2 and "--draft-rank must be one of separate, with-first-stage" in result.output
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    result = runner.invoke(app, [*base, "--stages", "2"])   # separate needs 3 processes
+    assert result.exit_code == 2 and "world size 2 does not fit n=2 stages" in result.output
+    assert "Launch 3 processes" in result.output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_on_loopback(folders):
+    """rank 0 (control + stage 0) on "node" 0, rank 1 (stage 1) on "node" 1: one job, AR tokens."""
+    model, root = folders
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "-m", "spd.cli", "generate", "--model", str(root / "model"), "--prompt-ids",
+                   ",".join(map(str, PROMPT)), "--distributed", "--draft-rank", "with-first-stage",
+                   "--stages", "2", "--threads", "1", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+        nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    reference, _ = ar_generate(Target.from_hf(model), PROMPT, max_new_tokens=12, eos_token_ids=())
+    assert result["token_ids"] == reference
+    assert result["stage_layers"] == [3, 3] and result["stats"]["cycles"] > 0
+    assert outputs[1][0].strip() == ""   # only rank 0 prints
