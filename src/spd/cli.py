@@ -206,6 +206,9 @@ app.command("serve")(serve)
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: SPD and its baselines, measured the same way.")
 app.add_typer(bench_app, name="bench")  # `spd bench <name>`: bench_app.command("name")(module.function)
+from .bench.command import bench_report, bench_run  # noqa: E402  (options only; the harness loads lazily)
+bench_app.command("run")(bench_run)
+bench_app.command("report")(bench_report)
 from .bench.wallclock import bench_wallclock  # noqa: E402  (options only; the runtime loads lazily)
 bench_app.command("wallclock")(bench_wallclock)
 

@@ -1,0 +1,122 @@
+"""One cost model for every method, and the measured cost of each draft forward.
+
+Unit: one full forward of the target for one new token (all L layers + lm_head) costs 1.
+
+| method | one step | its cost |
+|---|---|---|
+| AR | one target forward per token | 1 |
+| SPD (n stages) | one cycle: every stage runs one token; the PDM drafts concurrently | max(1/n, c_draft) |
+| PPSD (n stages) | one cycle; the early-exit head runs after stage 1 (serial) | 1/n + c_draft |
+| EAGLE-style (k) | one round: k draft forwards, then one target forward over k+1 tokens | 1 + k * c_draft |
+
+c_draft is a draft forward's measured fraction of a target forward (`measure_fraction`: the
+median time of one steady-state draft call over the median time of one single-token target
+forward, same machine, same context length). A target forward over k+1 positions counts as 1
+(memory-bound decoding); on a CPU it is slower, which the wall-clock numbers show.
+
+theoretical speedup = decode tokens / decode cost, decode tokens = new tokens - 1 (the prefill
+gives the first token for every method), so AR is exactly 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..cache import KVCache
+from ..drafters import DraftState
+from ..sampling import SamplingParams
+from ..target import Target, attention_mask
+
+KINDS = ("ar", "spd", "ppsd", "eagle")
+
+
+def step_cost(kind: str, draft_fraction: float, n: int | None = None) -> float:
+    """Cost of one cycle (spd, ppsd) or of one target forward (ar) in target forwards."""
+    if kind == "ar":
+        return 1.0
+    if kind == "spd":
+        return max(1.0 / n, draft_fraction)
+    if kind == "ppsd":
+        return 1.0 / n + draft_fraction
+    raise ValueError(f"no per-step cost for {kind!r}")
+
+
+def decode_cost(record: dict, draft_fraction: float) -> float:
+    """Decode cost of one per-prompt record in target forwards (see the module table)."""
+    kind = record["kind"]
+    if kind == "ar":
+        return float(record["target_forwards"])
+    if kind in ("spd", "ppsd"):
+        return record["cycles"] * step_cost(kind, draft_fraction, record["n"])
+    if kind == "eagle":
+        return record["target_forwards"] + record["draft_forwards"] * draft_fraction
+    raise ValueError(f"unknown method kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def median_seconds(fn, reps: int = 15, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def target_forward_seconds(target: Target, context: int, reps: int = 15) -> float:
+    """One new token through every layer and the lm_head, after `context` cached positions."""
+    device = target.device
+    cache = KVCache(range(target.num_layers))
+    target.prefill(torch.zeros(context, dtype=torch.long, device=device), cache)
+    token, position = torch.zeros(1, dtype=torch.long, device=device), torch.tensor([context], device=device)
+
+    def step():
+        hidden, _ = target.run_layers(target.embed(token), position, range(target.num_layers), cache)
+        int(target.logits(hidden[0, -1]).argmax())
+        cache.crop(context)
+
+    return median_seconds(step, reps)
+
+
+@torch.inference_mode()
+def pipeline_draft_seconds(target: Target, drafter, n: int, context: int, reps: int = 15) -> float:
+    """One steady-state draft call of an engine drafter (SPD's PDM or PPSD's head): a full
+    pipeline of n in flight after `context` finished positions, features random."""
+    gen = torch.Generator().manual_seed(0)
+    columns = max(1, len(drafter.anchors))
+    features = torch.randn(context + n + 1, columns, target.hidden_size, generator=gen).to(
+        device=target.device, dtype=target.dtype)
+    tokens = [0] * (context + n)
+    state = DraftState(tokens, context, n, features, stepped=drafter.after_stages)
+    params, sample_gen = SamplingParams(), torch.Generator(device=target.device)
+    drafter.begin(context)
+    drafter.draft(state, params, sample_gen)  # fills the drafter's cache with the finished rows
+    return median_seconds(lambda: drafter.draft(state, params, sample_gen), reps)
+
+
+@torch.inference_mode()
+def eagle_draft_seconds(target: Target, head, context: int, reps: int = 15) -> float:
+    """One chain step of the EAGLE-style head (one row on its cache of `context` rows + lm_head)."""
+    device = target.device
+    cache = KVCache([0])
+    feature = torch.randn(1, context, target.hidden_size, generator=torch.Generator().manual_seed(0))
+    feature = feature.to(device=device, dtype=target.dtype)
+    ids = torch.zeros(1, context, dtype=torch.long, device=device)
+    positions = torch.arange(context, device=device)
+    out = head(ids, feature, positions, attention_mask(positions, context, feature.dtype), cache)
+    one, position = ids[:, :1], torch.tensor([context], device=device)
+
+    def step():
+        int(head.logits(head(one, out[:, -1:], position, None, cache)[0, -1]).argmax())
+        cache.crop(context)
+
+    return median_seconds(step, reps)
+
+
+def measure_fraction(draft_seconds: float, target_seconds: float) -> float:
+    return draft_seconds / target_seconds if target_seconds > 0 else 0.0

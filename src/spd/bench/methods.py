@@ -1,0 +1,173 @@
+"""The methods a benchmark compares, by name, each turned into one per-prompt record.
+
+Names: `ar`, `spd-n<N>`, `ppsd-n<N>`, `eagle-k<K>`. A method runs on the shared target with
+spd's own cache and sampling code and returns the fields the report needs (same names for
+every method; a field a method has no notion of is None):
+
+    tokens, cycles, target_forwards, draft_forwards, verified, accepted,
+    verified_by_position, accepted_by_position, prefill_seconds, decode_seconds, draft_seconds
+
+"position" is where a draft sat: for SPD / PPSD the pipeline fill when it was drafted
+(1..n, n = steady state), for EAGLE-style drafting its index in the chain (1..k).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..baselines.ar import ar_generate
+from ..baselines.eagle import EagleHead, eagle_generate
+from ..baselines.heads import load_head, read_head_config
+from ..baselines.ppsd import PPSDDrafter, PPSDHead, PPSDConfig
+from ..checkpoint import load_pdm, read_config
+from ..drafters import PDMDrafter
+from ..engine import generate
+from ..pdm import PDM
+from ..sampling import SamplingParams
+from ..shipped import shipped_pdm
+from ..target import Target, split_layers
+from . import costs
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(ar)$|^(spd|ppsd)-n(\d+)$|^(eagle)-k(\d+)$")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    kind: str                  # ar | spd | ppsd | eagle
+    n: int | None = None       # pipeline stages (spd, ppsd)
+    k: int | None = None       # drafts per round (eagle)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "ar":
+            return "ar"
+        return f"{self.kind}-n{self.n}" if self.kind in ("spd", "ppsd") else f"eagle-k{self.k}"
+
+    @classmethod
+    def parse(cls, name: str) -> "MethodSpec":
+        m = _NAME.match(name.strip())
+        if not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(5) and int(m.group(5)) < 1):
+            raise ValueError(f"unknown method {name!r}: use ar, spd-n<N>, ppsd-n<N> or eagle-k<K> "
+                             f"(e.g. ar,spd-n2,spd-n4,ppsd-n4,eagle-k3,eagle-k5)")
+        if m.group(1):
+            return cls("ar")
+        if m.group(2):
+            return cls(m.group(2), n=int(m.group(3)))
+        return cls("eagle", k=int(m.group(5)))
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """'ar,spd-n4,...' -> specs, AR first (it is the reference of every comparison), no repeats."""
+    specs = [MethodSpec.parse(x) for x in text.split(",") if x.strip()]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"method listed twice in {text!r}")
+    return [MethodSpec("ar")] + [s for s in specs if s.kind != "ar"]
+
+
+@dataclass
+class Runner:
+    """One method, ready: `run()` decodes a prompt and returns its record fields."""
+
+    spec: MethodSpec
+    target: Target
+    checkpoint: str | None
+    untrained: bool
+    _decode: object = None
+    _probe: object = None
+
+    def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, eos) -> dict:
+        return self._decode(prompt_ids, params, max_new_tokens, eos)
+
+    def draft_seconds(self, context: int) -> float:
+        """Median seconds of one steady-state draft forward (0 for AR)."""
+        return self._probe(context) if self._probe is not None else 0.0
+
+    def info(self) -> dict:
+        return {"kind": self.spec.kind, "n": self.spec.n, "k": self.spec.k,
+                "checkpoint": self.checkpoint, "untrained": self.untrained}
+
+
+def _pipeline_record(result) -> dict:
+    s = result.stats
+    return {"tokens": result.tokens, "cycles": s.cycles, "target_forwards": None,
+            "draft_forwards": s.cycles, "verified": s.accepted + s.rejected, "accepted": s.accepted,
+            "verified_by_position": list(s.verified_by_fill), "accepted_by_position": list(s.accepted_by_fill),
+            "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
+            "draft_seconds": s.pdm_seconds}
+
+
+def _find(paths, n: int, read_n) -> str | None:
+    found = [p for p in paths if read_n(p) == n]
+    if len(found) > 1:
+        raise ValueError(f"several checkpoints for n={n}: {found}; give one per n")
+    return found[0] if found else None
+
+
+def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=(), eagle: str | None = None
+                 ) -> Runner:
+    """The runner for a method; checkpoints are matched to it by their n (untrained if none)."""
+    if spec.kind == "ar":
+        def decode(prompt, params, max_new, eos):
+            tokens, s = ar_generate(target, prompt, params, max_new, eos)
+            return {"tokens": tokens, "cycles": None, "target_forwards": s.forwards, "draft_forwards": 0,
+                    "verified": 0, "accepted": 0, "verified_by_position": [], "accepted_by_position": [],
+                    "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
+                    "draft_seconds": 0.0}
+        return Runner(spec, target, None, False, decode)
+
+    if spec.kind == "eagle":
+        head = load_head(eagle, target, "eagle") if eagle else None
+        if head is None:
+            log.warning("eagle-k%d: no --eagle head given: a random head (almost every draft rejected)", spec.k)
+            head = EagleHead.create(target).eval()
+
+        def decode(prompt, params, max_new, eos):
+            tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos)
+            return {"tokens": tokens, "cycles": None, "target_forwards": s.rounds,
+                    "draft_forwards": s.draft_forwards, "verified": s.verified, "accepted": s.accepted,
+                    "verified_by_position": s.verified_by_position, "accepted_by_position": s.accepted_by_position,
+                    "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
+                    "draft_seconds": s.draft_seconds}
+        return Runner(spec, target, eagle, eagle is None, decode,
+                      lambda context: costs.eagle_draft_seconds(target, head, context))
+
+    n = spec.n
+    if spec.kind == "spd":
+        path = _find(pdms, n, lambda p: read_config(p).n_stages) or shipped_pdm(model, n, None)
+        if path is not None:
+            stage_layers = list(read_config(path).stage_layers)
+            pdm = load_pdm(path, target, stage_layers)
+        else:
+            log.warning("spd-n%d: no PDM for n=%d: a random PDM (almost every draft rejected)", n, n)
+            stage_layers = [len(s) for s in split_layers(target.num_layers, n)]
+            pdm = PDM.create(target, stage_layers).eval()
+        make = lambda: PDMDrafter(pdm)  # noqa: E731
+    else:
+        path = _find(ppsds, n, lambda p: PPSDConfig.from_json(read_head_config(p)[1]).n_stages)
+        if path is not None:
+            head = load_head(path, target, "ppsd")
+            stage_layers = list(head.config.stage_layers)
+        else:
+            log.info("ppsd-n%d: no --ppsd head for n=%d: the target's own early exit (untrained head)", n, n)
+            stage_layers = [len(s) for s in split_layers(target.num_layers, n)]
+            head = PPSDHead.create(target, stage_layers).eval()
+        make = lambda: PPSDDrafter(head)  # noqa: E731
+    stages = split_layers(target.num_layers, n, stage_layers)
+
+    def decode(prompt, params, max_new, eos):
+        return _pipeline_record(generate(target, make(), prompt, stages, params, max_new, eos))
+    return Runner(spec, target, path, path is None, decode,
+                  lambda context: costs.pipeline_draft_seconds(target, make(), n, context))
+
+
+@torch.inference_mode()
+def warm_up(runner: Runner, vocab_size: int) -> None:
+    """One short untimed decode: first calls allocate and pick kernels."""
+    runner.run([1 % vocab_size, 2 % vocab_size, 3 % vocab_size], SamplingParams(), 6, ())

@@ -1,0 +1,86 @@
+"""Benchmark plots from summary rows (the "overall" rows of each temperature).
+
+- speedup_vs_n.png: theoretical speedup vs n for SPD and PPSD, EAGLE-style (one line per k)
+  and AR as horizontal lines, and the pipeline's limit n.
+- acceptance_by_position.png: per-draft acceptance by position: the pipeline fill when the
+  draft was made (SPD / PPSD; n = steady state) or the index in the chain (EAGLE-style).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .report import OVERALL
+
+STYLES = {0.0: "-", 1.0: "--"}
+EAGLE_COLORS = ("tab:green", "tab:olive", "tab:cyan", "tab:purple")
+
+
+def _pyplot():
+    import matplotlib  # benchmark plots (optional extra `spd[bench]`)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_speedup_vs_n(rows: list[dict], path: Path) -> Path:
+    plt = _pyplot()
+    overall = [r for r in rows if r["dataset"] == OVERALL and r["theoretical_speedup"] is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ns = sorted({r["n"] for r in overall if r["kind"] in ("spd", "ppsd")})
+    for t in sorted({r["temperature"] for r in overall}):
+        style = STYLES.get(t, ":")
+        for kind, marker in (("spd", "o"), ("ppsd", "s")):
+            pts = sorted((r["n"], r["theoretical_speedup"]) for r in overall
+                         if r["kind"] == kind and r["temperature"] == t)
+            if pts:
+                ax.plot(*zip(*pts), style, marker=marker, label=f"{kind.upper()} T={t:g}")
+        eagle = sorted((r for r in overall if r["kind"] == "eagle" and r["temperature"] == t),
+                       key=lambda r: r["k"])
+        for i, r in enumerate(eagle):
+            ax.axhline(r["theoretical_speedup"], linestyle=style, color=EAGLE_COLORS[i % len(EAGLE_COLORS)],
+                       label=f"EAGLE-style k={r['k']} T={t:g}")
+    ax.axhline(1.0, color="black", linewidth=1, label="AR")
+    if ns:
+        ax.plot(ns, ns, ":", color="gray", label="limit n")
+        ax.set_xticks(ns)
+    ax.set_xlabel("pipeline stages n")
+    ax.set_ylabel("theoretical speedup (common cost model)")
+    ax.set_title("Theoretical speedup vs n")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance_by_position(rows: list[dict], path: Path) -> Path:
+    plt = _pyplot()
+    overall = [r for r in rows if r["dataset"] == OVERALL and r["kind"] != "ar" and r["acceptance_by_position"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, kinds, xlabel in ((axes[0], ("spd", "ppsd"), "pipeline fill when drafted (n = steady state)"),
+                              (axes[1], ("eagle",), "position in the draft chain")):
+        for r in overall:
+            if r["kind"] not in kinds:
+                continue
+            xs = [i + 1 for i, a in enumerate(r["acceptance_by_position"]) if a is not None]
+            ys = [a for a in r["acceptance_by_position"] if a is not None]
+            ax.plot(xs, ys, STYLES.get(r["temperature"], ":"), marker="o",
+                    label=f"{r['method']} T={r['temperature']:g}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(0, 1)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    axes[0].set_ylabel("per-draft acceptance")
+    fig.suptitle("Acceptance by position in the pipeline window / draft chain")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_all(rows: list[dict], out) -> list[Path]:
+    out = Path(out)
+    return [plot_speedup_vs_n(rows, out / "speedup_vs_n.png"),
+            plot_acceptance_by_position(rows, out / "acceptance_by_position.png")]

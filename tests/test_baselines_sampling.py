@@ -1,0 +1,111 @@
+"""Sampling is lossless for the baselines: EAGLE-style chains and PPSD follow the target (chi-square).
+
+The same tests with verification switched off (every draft accepted) must reject: that proves
+they can fail. The harness is test_sampling.py's.
+"""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import spd.baselines.eagle as eagle
+import spd.engine
+from conftest import tiny_model
+from spd.baselines.eagle import EagleHead, eagle_generate
+from spd.baselines.ppsd import PPSDDrafter, PPSDHead
+from spd.engine import generate
+from spd.sampling import SamplingParams, probs
+from spd.target import Target, split_layers
+
+VOCAB, PROMPT = 6, [1, 5, 2]
+PARAMS = dict(temperature=0.9, top_k=5)
+DRAFT_IDS = [0, 1, 2, 4]      # q is zero on two ids: recovery sampling is exercised
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", num_layers=2, vocab=VOCAB, hidden=16, num_attention_heads=2,
+                       num_key_value_heads=1, intermediate_size=32, seed=7)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # moderately flat distributions: every path matters
+    return model, Target.from_hf(model)
+
+
+def exact_distribution(model, params, length):
+    """P(x_1..x_length | prompt) enumerated from the target's processed distributions."""
+    table = {}
+    seqs = list(itertools.product(range(VOCAB), repeat=length))
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + list(s) for s in seqs])).logits
+    for row, seq in enumerate(seqs):
+        p = 1.0
+        for i, token in enumerate(seq):
+            p *= float(probs(logits[row, len(PROMPT) - 1 + i], params)[token])
+        table[seq] = p
+    return table
+
+
+def chi_square_p(counts, table, total):
+    observed, expected = [], []
+    for seq, p in table.items():
+        if p * total < 5:  # pool rare cells so the chi-square approximation holds
+            continue
+        observed.append(counts.get(seq, 0))
+        expected.append(p * total)
+    observed.append(total - sum(observed))
+    expected.append(total - sum(expected))
+    impossible = sum(c for seq, c in counts.items() if table[seq] == 0)
+    return chisquare(observed, expected).pvalue, impossible
+
+
+def draw(run, count):
+    counts = {}
+    for i in range(count):
+        out = tuple(run(SamplingParams(**PARAMS, seed=i)))
+        counts[out] = counts.get(out, 0) + 1
+    return counts
+
+
+# EAGLE: 4 new tokens = prefill's + one round of k=2 drafts (both, one or none accepted) + more
+EAGLE_LENGTH, EAGLE_K = 4, 2
+PPSD_LENGTH = 3
+
+
+def eagle_run(target):
+    head = EagleHead.create(target, draft_ids=DRAFT_IDS, seed=3).eval()
+    return lambda params: eagle_generate(target, head, PROMPT, EAGLE_K, params, EAGLE_LENGTH, ())[0]
+
+
+def ppsd_run(target):
+    head = PPSDHead.create(target, [1, 1], draft_ids=DRAFT_IDS, init_from_target=False, seed=3).eval()
+    return lambda params: generate(target, PPSDDrafter(head), PROMPT, split_layers(2, 2), params,
+                                   PPSD_LENGTH, ()).tokens
+
+
+@pytest.mark.parametrize("method", ["eagle", "ppsd"])
+def test_baseline_sampling_matches_target_distribution(setup, method):
+    model, target = setup
+    length, run = (EAGLE_LENGTH, eagle_run(target)) if method == "eagle" else (PPSD_LENGTH, ppsd_run(target))
+    table = exact_distribution(model, SamplingParams(**PARAMS), length)
+    total = 6_000
+    pvalue, impossible = chi_square_p(draw(run, total), table, total)
+    assert impossible == 0, f"{method} produced a continuation the target gives probability 0"
+    assert pvalue > 1e-3, f"{method}'s samples do not follow the target's distribution (p={pvalue:.2e})"
+
+
+@pytest.mark.parametrize("method", ["eagle", "ppsd"])
+def test_the_chi_square_test_fails_without_verification(setup, method, monkeypatch):
+    model, target = setup
+    always = lambda draft, q, logits, params, gen: (True, draft)  # noqa: E731
+    if method == "eagle":
+        monkeypatch.setattr(eagle, "verify", always)
+        length, run = EAGLE_LENGTH, eagle_run(target)
+    else:
+        monkeypatch.setattr(spd.engine, "verify", always)
+        length, run = PPSD_LENGTH, ppsd_run(target)
+    table = exact_distribution(model, SamplingParams(**PARAMS), length)
+    total = 1_000
+    pvalue, impossible = chi_square_p(draw(run, total), table, total)
+    assert pvalue < 1e-3 or impossible > 0

@@ -1,0 +1,178 @@
+"""`spd bench`: same-run harness, resumable records, summary recomputed from them, plots, CLI."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import tiny_model
+from spd.bench import costs
+from spd.bench.harness import BenchConfig, read_records, run_bench
+from spd.bench.methods import MethodSpec, parse_methods
+from spd.bench.report import OVERALL
+from spd.cli import app
+from spd.target import Target
+
+METHODS = "ar,spd-n2,ppsd-n2,ppsd-n4,eagle-k2"
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", num_layers=4, vocab=8, seed=2).save_pretrained(folder)
+    return folder
+
+
+def question_file(folder, name, prompts):
+    path = folder / name / "question.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"question_id": i, "turns": ["(ids)"], "prompt_ids": p}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return path
+
+
+@pytest.fixture()
+def evals(tmp_path):
+    question_file(tmp_path / "evals", "alpha", [[1, 2, 3], [4, 5], [6, 7, 0, 1]])
+    question_file(tmp_path / "evals", "beta", [[2, 2, 2, 2], [3]])
+    return tmp_path / "evals"
+
+
+def config(out, evals, model_dir, **kw):
+    base = dict(out=str(out), model=str(model_dir), methods=METHODS, datasets=("alpha", "beta"),
+                eval_dir=str(evals), temperatures=(0.0, 1.0), max_new_tokens=NEW, ignore_eos=True,
+                cost_context=16, progress=False)
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def recompute(records, methods):
+    """The summary's definitions, written out again from the records."""
+    rows = {}
+    for method in {r["method"] for r in records}:
+        for t in (0.0, 1.0):
+            mine = [r for r in records if r["method"] == method and r["temperature"] == t]
+            ar = [r for r in records if r["method"] == "ar" and r["temperature"] == t]
+            dec = sum(r["new_tokens"] - 1 for r in mine)
+            c = methods[method]["draft_fraction"]
+            kind = mine[0]["kind"]
+            if kind == "ar":
+                cost = sum(r["target_forwards"] for r in mine)
+            elif kind == "spd":
+                cost = sum(r["cycles"] * max(1 / r["n"], c) for r in mine)
+            elif kind == "ppsd":
+                cost = sum(r["cycles"] * (1 / r["n"] + c) for r in mine)
+            else:
+                cost = sum(r["target_forwards"] + c * r["draft_forwards"] for r in mine)
+            tps = dec / sum(r["decode_seconds"] for r in mine)
+            ar_tps = sum(r["new_tokens"] - 1 for r in ar) / sum(r["decode_seconds"] for r in ar)
+            verified = sum(r["verified"] for r in mine)
+            rows[(method, t)] = {
+                "new_tokens": sum(r["new_tokens"] for r in mine), "theoretical_speedup": dec / cost,
+                "tokens_per_second": tps, "wall_clock_ratio": tps / ar_tps,
+                "per_draft_acceptance": sum(r["accepted"] for r in mine) / verified if verified else None}
+    return rows
+
+
+def test_bench_run_writes_records_summary_and_plots(tmp_path, evals, model_dir):
+    out = tmp_path / "out"
+    result = run_bench(config(out, evals, model_dir))
+    assert result.greedy_mismatches == 0
+    records = read_records(out / "per_prompt.jsonl")
+    assert len(records) == 5 * 2 * 5 == result.records == result.new_records  # prompts x T x methods
+    greedy = [r for r in records if r["temperature"] == 0 and r["kind"] != "ar"]
+    assert greedy and all(r["matches_ar"] is True for r in greedy)
+    assert all(r["new_tokens"] == NEW for r in records)
+    for r in records:
+        if r["kind"] in ("spd", "ppsd"):
+            assert sum(r["verified_by_position"]) == r["verified"] == NEW - 1
+            assert len(r["verified_by_position"]) == r["n"]
+        if r["kind"] == "eagle":
+            assert r["new_tokens"] - 1 == r["target_forwards"] + r["accepted"]
+
+    rows = json.loads((out / "summary.json").read_text())
+    run = json.loads((out / "run.json").read_text())
+    assert set(run["methods"]) == set(METHODS.split(","))
+    assert {r["dataset"] for r in rows} == {"alpha", "beta", OVERALL}
+    expected = recompute(records, run["methods"])
+    for row in rows:
+        if row["dataset"] != OVERALL:
+            continue
+        want = expected[(row["method"], row["temperature"])]
+        for name, value in want.items():
+            assert row[name] == pytest.approx(value), (row["method"], name)
+        if row["kind"] == "ar":
+            assert row["theoretical_speedup"] == pytest.approx(1.0) and row["wall_clock_ratio"] == pytest.approx(1.0)
+    # per-dataset rows add up to the overall one
+    for method in METHODS.split(","):
+        parts = [r for r in rows if r["method"] == method and r["temperature"] == 0 and r["dataset"] != OVERALL]
+        whole = next(r for r in rows if r["method"] == method and r["temperature"] == 0 and r["dataset"] == OVERALL)
+        assert sum(p["new_tokens"] for p in parts) == whole["new_tokens"]
+        assert sum(p["prompts"] for p in parts) == whole["prompts"] == 5
+    md = (out / "summary.md").read_text()
+    assert "| spd-n2 (untrained) | overall | 0 |" in md and "theoretical / wall-clock" in md
+    for png in ("speedup_vs_n.png", "acceptance_by_position.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_resumes_and_refuses_other_settings(tmp_path, evals, model_dir):
+    out = tmp_path / "out"
+    first = run_bench(config(out, evals, model_dir, limit=1, methods="ar,spd-n2", temperatures=(0.0,), plots=False))
+    assert first.new_records == 2 * 2    # 1 prompt per dataset x 2 methods
+    again = run_bench(config(out, evals, model_dir, limit=1, methods="ar,spd-n2", temperatures=(0.0,), plots=False))
+    assert again.new_records == 0 and again.records == 4
+    # a torn last line (killed mid-write) is dropped and that decode redone
+    path = out / "per_prompt.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    grown = run_bench(config(out, evals, model_dir, limit=2, methods="ar,spd-n2,eagle-k3", temperatures=(0.0,),
+                             plots=False))
+    assert grown.new_records == 1 + 2 * 2 + 4   # the torn one; 2 new prompts x (ar, spd); eagle on all 4
+    records = read_records(path)
+    keys = [(r["method"], r["dataset"], r["question_id"]) for r in records]
+    assert len(keys) == len(set(keys)) == 4 * 3
+    with pytest.raises(ValueError, match="max_new_tokens=10"):
+        run_bench(config(out, evals, model_dir, limit=1, methods="ar", temperatures=(0.0,), max_new_tokens=5))
+
+
+def test_cost_model_and_method_names():
+    assert costs.step_cost("spd", 0.1, 4) == 0.25 and costs.step_cost("spd", 0.4, 4) == 0.4
+    assert costs.step_cost("ppsd", 0.1, 4) == pytest.approx(0.35)
+    eagle = {"kind": "eagle", "target_forwards": 10, "draft_forwards": 30}
+    assert costs.decode_cost(eagle, 0.05) == pytest.approx(11.5)
+    assert [s.name for s in parse_methods("spd-n4,eagle-k5,ppsd-n2")] == ["ar", "spd-n4", "eagle-k5", "ppsd-n2"]
+    assert MethodSpec.parse("eagle-k3") == MethodSpec("eagle", k=3)
+    for bad in ("spd", "spd-n0", "eagle-3", "medusa"):
+        with pytest.raises(ValueError, match="unknown method"):
+            MethodSpec.parse(bad)
+    with pytest.raises(ValueError, match="twice"):
+        parse_methods("spd-n2,spd-n2")
+
+
+def test_measured_draft_fractions_are_sane():
+    target = Target.from_hf(tiny_model("llama", num_layers=6))
+    t = costs.target_forward_seconds(target, context=16, reps=5)
+    assert t > 0
+    from spd.baselines.eagle import EagleHead
+    assert costs.eagle_draft_seconds(target, EagleHead.create(target).eval(), 16, reps=5) > 0
+
+
+def test_cli_bench_run_and_report(tmp_path, model_dir):
+    data = question_file(tmp_path, "mine", [[1, 2, 3], [5, 6]])
+    out = tmp_path / "cli-out"
+    runner = CliRunner()
+    args = ["bench", "run", "--model", str(model_dir), "--datasets", "", "--data", str(data), "--methods",
+            "ar,spd-n2,eagle-k2", "--temperatures", "0", "--max-new-tokens", "8", "--out", str(out),
+            "--no-progress", "--no-plots", "--cost-context", "8"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "| eagle-k2 (untrained) | mine | 0 | 2 |" in result.stdout
+    rows = json.loads((out / "summary.json").read_text())
+    assert {(r["method"], r["dataset"]) for r in rows} >= {("ar", "mine"), ("spd-n2", OVERALL)}
+    report = runner.invoke(app, ["bench", "report", "--out", str(out)])
+    assert report.exit_code == 0 and "eagle-k2" in report.stdout
+    assert (out / "speedup_vs_n.png").is_file()
+    missing = runner.invoke(app, ["bench", "run", "--model", str(model_dir), "--datasets", "nope",
+                                  "--eval-dir", str(tmp_path), "--out", str(out)])
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
