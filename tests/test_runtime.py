@@ -130,12 +130,12 @@ def test_pipeline_schedule_pieces():
 
 def test_breakdown_separates_exposed_communication():
     # stage 0 computes 4 ms, stage 1 6 ms; the last report came 8 ms in: 2 ms exposed
-    cycles = [CycleTimes(total=0.010, pdm=0.003, reports=0.008, verify=0.001)] * 2
+    cycles = [CycleTimes(total=0.010, pdm=0.003, own=0.003, reports=0.008, verify=0.001)] * 2
     b = breakdown(cycles, [[0.004, 0.004], [0.006, 0.006]])
     assert b["cycle_ms"] == pytest.approx(10) and b["slowest_stage_ms"] == pytest.approx(6)
     assert b["communication_ms"] == pytest.approx(2) and b["idle_ms"] == pytest.approx(5)
     assert b["pdm_ms"] == pytest.approx(3) and b["stage_ms"] == pytest.approx([4, 6])
-    hidden = breakdown([CycleTimes(total=0.01, pdm=0.009, reports=0.009)], [[0.004], [0.006]])
+    hidden = breakdown([CycleTimes(total=0.01, pdm=0.009, own=0.009, reports=0.009)], [[0.004], [0.006]])
     assert hidden["communication_ms"] == 0.0   # the PDM outlasted the stages
 
 

@@ -71,6 +71,7 @@ def generate(
     draft_rank: str = typer.Option("separate", help="--distributed: 'separate' (own rank: n+1 processes) or 'with-first-stage' (n)."),
     devices: Optional[str] = typer.Option(None, help="--distributed: one device per rank, e.g. cuda:0,cuda:1,cuda:2 (default: GPU LOCAL_RANK, else CPU)."),
     timeout: float = typer.Option(30.0, min=0.1, help="--distributed: seconds a message may take before the run fails, naming the stage."),
+    lookahead: bool = typer.Option(False, help="--distributed: start the next cycle before verifying (hides lm_head; a rejection wastes a cycle)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Generate with SPD (in one process, or --distributed); print the text and the decode statistics."""
@@ -78,7 +79,7 @@ def generate(
     if distributed:
         return _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k,
                                      top_p, seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank,
-                                     devices, timeout)
+                                     devices, timeout, lookahead)
     from . import engine
     from .baselines.ar import ar_generate
     from .loading import build_decoder, encode_prompt, parse_dtype, parse_int_list
@@ -116,7 +117,8 @@ def generate(
 
 
 def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k, top_p,
-                          seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank, devices, timeout):
+                          seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank, devices, timeout,
+                          lookahead):
     from .loading import parse_int_list
     from .runtime import LayoutError, StageFailure
     from .runtime.commands import distributed_generate
@@ -131,7 +133,7 @@ def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new
             model, prompt, parse_int_list(prompt_ids, "--prompt-ids"), stages, parse_int_list(split, "--split"), pdm,
             SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed), max_new_tokens,
             raw, ignore_eos, compare_ar, draft_rank, text, dtype=dtype, devices=parse_devices(devices),
-            timeout=timeout, threads=threads)
+            timeout=timeout, threads=threads, lookahead=lookahead)
     except (LayoutError, ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
     except StageFailure as err:

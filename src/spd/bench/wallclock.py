@@ -42,7 +42,8 @@ def weighted_breakdown(runs: list[dict]) -> dict:
 def measure(model: str = "default", stages: int = 2, split: list[int] | None = None,
             draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm"),
             prompts: list[str] | None = None, max_new_tokens: int = 64, ar_threads: tuple[int, ...] = (),
-            threads: int | None = None, pdm: str | None = None, dtype: str = "float32") -> dict:
+            threads: int | None = None, pdm: str | None = None, dtype: str = "float32",
+            lookahead: bool = False) -> dict:
     """Run the benchmark; returns {ar: {...}, <drafter>: {...}, settings: {...}}."""
     import torch
 
@@ -52,7 +53,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | None = N
     from ..runtime import plan, start
     from ..target import load_target
 
-    spec = plan(model, stages, split, draft_rank, pdm, dtype=dtype, threads=threads, timeout=60.0)
+    spec = plan(model, stages, split, draft_rank, pdm, dtype=dtype, threads=threads, timeout=60.0, lookahead=lookahead)
     cores = os.cpu_count() or 1
     ar_threads = tuple(ar_threads) or tuple(sorted({cores, 1}, reverse=True))
     spd_threads = spec.threads or max(1, cores // spec.layout.world_size)
@@ -109,7 +110,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | None = N
                            "load_average_before": load_before,
                            "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                            "spd_threads_per_process": spd_threads, "prompts": len(ids),
-                           "max_new_tokens": max_new_tokens, "dtype": dtype,
+                           "max_new_tokens": max_new_tokens, "dtype": dtype, "lookahead": lookahead,
                            "pdm": spec.pdm or "random (no shipped PDM for this split)"}
     return results
 
@@ -120,6 +121,7 @@ def format_report(results: dict) -> str:
     lines = [f"wall-clock: {s['model']}, n={len(s['stage_layers'])} split={s['stage_layers']}, draft rank "
              f"{s['draft_rank']} ({s['processes']} processes x {s['spd_threads_per_process']} threads; "
              f"{s['cores']} cores), {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['dtype']}"
+             + (", lookahead" if s["lookahead"] else "")
              + (f"; load average {load[0]:.1f} -> {load[1]:.1f}" if load[0] is not None else "")]
     for r in results["ar"]:
         lines.append(f"  AR ({r['threads']} threads)    {r['tokens_per_second']:7.2f} tok/s")
@@ -151,6 +153,7 @@ def bench_wallclock(
     ar_threads: Optional[str] = typer.Option(None, help="torch threads for AR, one run each, e.g. 2,1 (default: every core, and 1); ratios are against the fastest."),
     threads: Optional[int] = typer.Option(None, help="torch threads per SPD process (default: cores / processes)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    lookahead: bool = typer.Option(False, help="Start each cycle before the previous one is verified."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ):
     """AR vs distributed SPD decode tokens/s on the same prompts and cores; ratio, acceptance, cycle breakdown."""
@@ -163,7 +166,7 @@ def bench_wallclock(
     try:
         results = measure(model, stages, parse_int_list(split, "--split"), draft_rank, names,
                           PROMPTS[:prompts], max_new_tokens, tuple(parse_int_list(ar_threads, "--ar-threads") or ()),
-                          threads, pdm, dtype)
+                          threads, pdm, dtype, lookahead)
     except (LayoutError, ValueError, FileNotFoundError) as err:
         typer.secho(f"error: {err}", fg="red", err=True)
         raise typer.Exit(2)

@@ -37,6 +37,7 @@ class CycleTimes:
 
     total: float = 0.0      # start of this cycle to start of the next
     local_stage: float = 0.0  # stage 0 run here (with-first-stage)
+    own: float = 0.0        # start until the control rank began to wait for reports (its own work)
     pdm: float = 0.0
     reports: float = 0.0    # start of the cycle until the last report arrived
     verify: float = 0.0
@@ -54,14 +55,14 @@ def breakdown(cycles: list[CycleTimes], stage_times: list[list[float]]) -> dict:
 
     stage_times[k][c] is stage k's compute in cycle c (0 when it idled). communication is the
     exposed part: the time until the last report minus the longer of the control's own work
-    before it (stage 0 here, PDM) and the slowest stage. idle is the mean over stages of the
-    cycle time a stage spent not computing.
+    before it (stage 0 here, PDM, the previous verify under lookahead) and the slowest stage.
+    idle is the mean over stages of the cycle time a stage spent not computing.
     """
     if not cycles:
         return {}
     count = len(cycles)
     slowest = [max(times[c] for times in stage_times) for c in range(count)]
-    exposed = [max(0.0, cy.reports - max(cy.local_stage + cy.pdm, slow)) for cy, slow in zip(cycles, slowest)]
+    exposed = [max(0.0, cy.reports - max(cy.own, slow)) for cy, slow in zip(cycles, slowest)]
     idle = [cy.total - sum(times[c] for times in stage_times) / len(stage_times) for c, cy in enumerate(cycles)]
     mean = lambda values: 1000.0 * sum(values) / count  # noqa: E731
     return {"cycles": count, "cycle_ms": mean([c.total for c in cycles]), "pdm_ms": mean([c.pdm for c in cycles]),
@@ -70,48 +71,96 @@ def breakdown(cycles: list[CycleTimes], stage_times: list[list[float]]) -> dict:
             "stage_ms": [mean(times) for times in stage_times]}
 
 
-class Controller:
-    """Rank 0 of a distributed run. `target` holds embedding, norm, lm_head (+ stage 0 if local)."""
+@dataclass
+class Issued:
+    """A cycle whose command went out: what it runs, and the reports still to take."""
 
-    def __init__(self, target: Target, layout: Layout, link: Link, anchors, local: StageWorker | None):
+    command: Command
+    work: list[tuple[int, int]]      # (position, stage k)
+    hidden: torch.Tensor             # stage 0's input
+    posted: dict                     # stage k -> pending report receive
+    times: CycleTimes
+    start: float
+    reports: dict = field(default_factory=dict)
+
+
+class Controller:
+    """Rank 0 of a distributed run. `target` holds embedding, norm, lm_head (+ stage 0 if local).
+
+    lookahead=True issues the next cycle (assuming acceptance) before verifying, so lm_head and
+    verification overlap the stages' next step; a rejection then wastes that one cycle. Tokens,
+    drafts and accept/reject decisions are the engine's either way; only the cycle count moves.
+    """
+
+    def __init__(self, target: Target, layout: Layout, link: Link, anchors, local: StageWorker | None,
+                 lookahead: bool = False):
         assert target.embed_tokens is not None and target.lm_head is not None, "control needs embed + head"
         assert (local is not None) == layout.colocated
         self.target, self.layout, self.link, self.local = target, layout, link, local
+        self.lookahead = lookahead
+        self._last: Issued | None = None   # the latest STEP, whose total the next command closes
         self.anchors = sorted(set(anchors))
         n = layout.n_stages
         self.rows = [report_indices(layout.stages[k], self.anchors, layout.num_layers, k == n - 1)
                      for k in range(n)]
 
     # -- one cycle's messages -------------------------------------------------------------------
-    def _post_reports(self, stages, length: int) -> dict:
-        return {k: self.link.post((len(self.rows[k]), length, self.target.hidden_size), self.target.dtype,
-                                  self.layout.stage_rank(k), f"the report of stage {k}")
-                for k in stages if self.rows[k] and self.layout.stage_rank(k) != CONTROL_RANK}
+    def _close_times(self, t: float) -> None:
+        """A cycle's total runs from its command to the next one's (or to the end)."""
+        if self._last is not None:
+            self._last.times.total = t - self._last.start
+        self._last = None
 
-    def _issue(self, command: Command, hidden: torch.Tensor, stages) -> tuple[dict, dict, float]:
-        """Broadcast, hand stage 0 its input, run stage 0 here if local: (posted, reports, local s)."""
+    def _issue(self, command: Command, hidden: torch.Tensor, work) -> Issued:
+        """Broadcast the command, post the report receives, send stage 0 its input (if remote)."""
+        start = now(self.link.device)
+        self._close_times(start)
         self.link.broadcast(command)
-        posted = self._post_reports(stages, hidden.shape[1])
-        reports, local_seconds = {}, 0.0
+        posted = {k: self.link.post((len(self.rows[k]), hidden.shape[1], self.target.hidden_size), self.target.dtype,
+                                    self.layout.stage_rank(k), f"the report of stage {k}")
+                  for _, k in work if self.rows[k] and self.layout.stage_rank(k) != CONTROL_RANK}
+        if self.local is None:
+            self.link.send(hidden, self.layout.stage_rank(0), "the input of stage 0")
+        issued = Issued(command, work, hidden, posted, CycleTimes(), start)
+        self._last = issued if command.op == Op.STEP else None
+        return issued
+
+    def _run_local(self, cycle: Issued) -> None:
+        """Stage 0's share of the cycle when it lives in this process."""
         if self.local is not None:
             t = now(self.link.device)
-            reports[0] = self.local.handle(command, hidden)
-            local_seconds = now(self.link.device) - t
-        else:
-            self.link.send(hidden, self.layout.stage_rank(0), "the input of stage 0")
-        return posted, reports, local_seconds
+            cycle.reports[0] = self.local.handle(cycle.command, cycle.hidden)
+            cycle.times.local_stage = now(self.link.device) - t
 
-    def _collect(self, posted: dict, reports: dict, positions: dict, features, column) -> torch.Tensor | None:
-        """Wait for the reports and store their anchors (stage k's are about positions[k]).
-        Returns the last stage's output rows (q, H), or None when it did not run."""
-        for k, message in posted.items():
-            reports[k] = self.link.take(message)
+    def _collect(self, cycle: Issued, features, column) -> torch.Tensor | None:
+        """Wait for the cycle's reports and store their anchors; the last stage's output rows
+        (q, H), or None when it did not run."""
+        cycle.times.own = now(self.link.device) - cycle.start
+        for k, message in cycle.posted.items():
+            cycle.reports[k] = self.link.take(message)
         self.link.flush(before_cycle=True)
-        for k, report in reports.items():
+        positions = {k: slice(p, p + cycle.hidden.shape[1]) for p, k in cycle.work}
+        for k, report in cycle.reports.items():
             if report is not None:
                 store_snapshots(features, positions[k], dict(zip(self.rows[k], report)), column)
-        last = reports.get(self.layout.n_stages - 1)
+        cycle.times.reports = now(self.link.device) - cycle.start
+        last = cycle.reports.get(self.layout.n_stages - 1)
         return None if last is None else last[-1]   # row L is the last report row
+
+    def _waste(self, cycle: Issued) -> None:
+        """Finish a looked-ahead cycle whose work a rejection (or the end) made useless."""
+        if self.local is not None:
+            self.local.skip(cycle.command)
+        for message in cycle.posted.values():
+            self.link.take(message)
+        self.link.flush(before_cycle=True)
+
+    def _step(self, tokens, newest: int, first: int, crop: int, features, column) -> Issued:
+        """Issue the STEP for in-flight positions first..newest: the newest enters at depth 0."""
+        command = Command(Op.STEP, newest=newest, first=first, crop=crop)
+        hidden = self.target.embed(torch.tensor(tokens[newest:newest + 1], device=self.link.device))
+        store_snapshots(features, [newest], {0: hidden[0]}, column)   # its depth-0 feature
+        return self._issue(command, hidden, [(p, newest - p) for p in range(newest, first - 1, -1)])
 
     # -- the schedule -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -136,12 +185,13 @@ class Controller:
         features = torch.zeros(capacity, len(column), target.hidden_size, device=device, dtype=target.dtype)
 
         # Prefill: the prompt through every stage in turn; the first token is the target's own.
-        t0 = now(device)
-        length = len(prompt_ids)
+        t0, length = now(device), len(prompt_ids)
         hidden = target.embed(torch.tensor(prompt_ids, device=device))
         store_snapshots(features, slice(0, length), {0: hidden[0]}, column)
-        posted, reports, _ = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0), hidden, range(n))
-        last = self._collect(posted, reports, dict.fromkeys(range(n), slice(0, length)), features, column)
+        prefill = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0), hidden,
+                              [(0, k) for k in range(n)])
+        self._run_local(prefill)
+        last = self._collect(prefill, features, column)
         tokens = list(prompt_ids) + [sample(target.logits(last[-1]), params, gen)]
         stats.prefill_seconds, stats.new_tokens = now(device) - t0, 1
         yield tokens[-1]
@@ -150,45 +200,49 @@ class Controller:
 
         drafter.begin(length)
         pipe = Pipeline(tokens, first_inflight=length, n_stages=n)
-        crop = -1
         t_decode = now(device)
+        cycle = self._step(tokens, pipe.newest, pipe.first_inflight, -1, features, column)
         while True:
-            cycle, t0 = CycleTimes(), now(device)
-            work = pipe.work()
-            command = Command(Op.STEP, newest=pipe.newest, first=pipe.first_inflight, crop=crop)
-            hidden = target.embed(torch.tensor(tokens[-1:], device=device))   # depth-0 feature
-            store_snapshots(features, [pipe.newest], {0: hidden[0]}, column)
-            posted, reports, cycle.local_stage = self._issue(command, hidden, [k for _, k in work])
+            self._run_local(cycle)
             if not drafter.after_stages:   # concurrently with the stages
                 t = now(device)
                 draft, q = drafter.draft(pipe.draft_state(features), params, gen)
-                cycle.pdm = now(device) - t
-            finished = self._collect(posted, reports, {k: [p] for p, k in work}, features, column)
-            cycle.reports = now(device) - t0
+                cycle.times.pdm = now(device) - t
+            finished = self._collect(cycle, features, column)
             stats.cycles += 1
             if drafter.after_stages:   # PPSD-style: from the newest token's stage-1 output
                 t = now(device)
                 draft, q = drafter.draft(pipe.draft_state(features, stepped=True), params, gen)
-                cycle.pdm = now(device) - t
+                cycle.times.pdm = now(device) - t
             pipe.admit(draft, q)
-            crop, token = -1, None
-            if len(work) == n:   # the oldest token finished all n stages: verify the next one
+            stats.pdm_seconds += cycle.times.pdm
+            ahead, token, accepted, crop = None, None, True, -1
+            if len(cycle.work) == n:   # the oldest token finished all n stages: verify the next one
+                if self.lookahead:     # issue the next cycle as if the draft is accepted, then verify
+                    ahead = self._step(tokens, pipe.newest, pipe.first_inflight + 1, -1, features, column)
                 t = now(device)
                 accepted, token, checked = pipe.settle(target.logits(finished[0]), params, gen)
                 stats.accepted += accepted
                 stats.rejected += not accepted
                 crop = -1 if accepted else checked   # every stage crops there next cycle
-                cycle.verify = now(device) - t
-            stats.pdm_seconds += cycle.pdm
-            stats.verify_seconds += cycle.verify
-            cycle.total = now(device) - t0
-            cycles.append(cycle)
+                cycle.times.verify = now(device) - t
+                stats.verify_seconds += cycle.times.verify
+            cycles.append(cycle.times)
             if token is not None:
                 stats.new_tokens += 1
+                done = token in eos or stats.new_tokens >= max_new_tokens
+                if ahead is not None and (done or not accepted):   # the looked-ahead cycle was in vain
+                    self._waste(ahead)
+                    stats.cycles += 1
+                    cycles.append(ahead.times)
+                    ahead = None
                 stats.decode_seconds = now(device) - t_decode
                 yield token
-                if token in eos or stats.new_tokens >= max_new_tokens:
+                if done:
+                    self._close_times(now(device))
                     return
+            cycle = ahead if ahead is not None else self._step(tokens, pipe.newest, pipe.first_inflight, crop,
+                                                               features, column)
 
     def gather_timings(self, cycles: int) -> list[list[float]]:
         """STATS: every stage's [prefill, per-cycle compute seconds] of the current sequence."""

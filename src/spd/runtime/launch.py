@@ -54,6 +54,7 @@ class RunSpec:
     threads: int | None = None       # torch threads per process (None: cores / local processes)
     pdm: str | None = None           # PDM checkpoint folder; None: a random PDM (rank 0 only)
     pdm_layers: int = 1
+    lookahead: bool = False          # issue the next cycle before verifying (see Controller)
 
     @property
     def layout(self) -> Layout:
@@ -285,7 +286,7 @@ def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int
     init_rank(spec, CONTROL_RANK, world, store, local_rank, local_world)
     link = Link(device, spec.timeout, _names(layout), spec.idle_timeout)
     local = StageWorker(target, layout, 0, link, spec.anchors) if layout.colocated else None
-    controller = Controller(target, layout, link, spec.anchors, local)
+    controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead)
     return Session(spec, controller, store, workers, pdm)
 
 

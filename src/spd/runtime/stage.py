@@ -111,6 +111,16 @@ class StageWorker:
             self.link.send(report, CONTROL_RANK, "the report of stage %d" % self.k)
         return report
 
+    def skip(self, command: Command) -> None:
+        """Stage 0 in the control process, for a looked-ahead cycle a rejection made useless:
+        compute nothing, but send stage 1 the placeholder it expects (it drops it)."""
+        assert self.k == 0 and self.local
+        self.previous = command
+        self.cycle_seconds.append(0.0)
+        if self.downstream is not None:
+            self.link.send(torch.zeros(1, 1, self.target.hidden_size, dtype=self.target.dtype, device=self.link.device),
+                           self.downstream, "a placeholder for stage 1")
+
     def timings(self) -> torch.Tensor:
         """[prefill seconds, compute seconds of every STEP] of the current sequence (float64)."""
         return torch.tensor([self.prefill_seconds, *self.cycle_seconds], dtype=torch.float64,
