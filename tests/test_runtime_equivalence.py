@@ -96,6 +96,11 @@ def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahea
             short = session.generate(prompt, OracleDrafter(reference), max_new_tokens=budget, eos_token_ids=())
             assert short.tokens == reference[:budget]
 
+        abandoned = session.stream(prompt, OracleDrafter(reference), max_new_tokens=NEW, eos_token_ids=())
+        assert [next(abandoned) for _ in range(n + 3)] == reference[: n + 3]
+        abandoned.close()   # mid-pipeline (and mid-lookahead): the next sequence must not notice
+        assert session.generate(prompt, OracleDrafter(reference), max_new_tokens=NEW, eos_token_ids=()).tokens == reference
+
         sampled = SamplingParams(temperature=0.9, top_k=20, seed=7)
         ours = session.generate(prompt, session.default_drafter(), sampled, max_new_tokens=NEW, eos_token_ids=())
         theirs = generate(full, PDMDrafter(local_pdm), prompt, stages, sampled, max_new_tokens=NEW, eos_token_ids=())

@@ -1,7 +1,8 @@
 """Distributed runtime through its entry points: faults, bad arguments, torchrun across "nodes".
 
-- a stage process killed (SIGKILL) or frozen (SIGSTOP) mid-generation: the control rank names
-  the stage and the cause within the timeout, exits non-zero, and no process is left behind;
+- a stage process killed (SIGKILL, through the CLI) or frozen (SIGSTOP, in process) mid-generation:
+  the control rank names the stage and the cause within the timeout, the CLI exits non-zero, and
+  no process is left behind;
 - bad arguments fail before any weights load (the model folder here has no weights at all);
 - two torchrun "nodes" on loopback run one job and produce the AR tokens.
 """
@@ -19,11 +20,14 @@ import time
 
 import psutil
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model
 from spd.baselines.ar import ar_generate
 from spd.cli import app
+from spd.drafters import OracleDrafter
+from spd.runtime import StageFailure, plan, start
 from spd.target import Target
 
 PROMPT = [3, 17, 5, 9, 22]
@@ -87,20 +91,17 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("how", ["killed", "frozen"])
-def test_failed_stage_is_named_within_the_timeout_and_nothing_is_left(folders, how):
+def test_killed_stage_is_named_within_the_timeout_and_nothing_is_left(folders):
+    """Through the CLI: SIGKILL one stage mid-generation; exit 1, the stage named, no process left."""
     _, root = folders
     timeout = 4.0
-    layout = ["--stages", "3", "--draft-rank", "separate"] if how == "killed" else \
-             ["--stages", "2", "--draft-rank", "with-first-stage"]
-    run = Run(spd_generate(root / "model", *layout, "--timeout", str(timeout), "--max-new-tokens", "20000",
-                           "--ignore-eos", "-v"))
+    run = Run(spd_generate(root / "model", "--stages", "3", "--draft-rank", "separate", "--timeout", str(timeout),
+                           "--max-new-tokens", "20000", "--ignore-eos", "-v"))
     try:
         pids = stage_pids(run)
         run.wait_for(r"decoding a 5-token prompt", 120)
         time.sleep(0.5)   # mid-generation
-        victim = 1
-        os.kill(pids[victim], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         run.proc.wait(timeout=timeout + 20)
         elapsed = time.monotonic() - t0
@@ -111,10 +112,30 @@ def test_failed_stage_is_named_within_the_timeout_and_nothing_is_left(folders, h
     assert run.proc.returncode == 1, err
     assert elapsed < timeout + 10, (elapsed, err)
     message = [line for line in err.splitlines() if line.startswith("error:")][-1]
-    assert f"stage {victim} (rank" in message, message
-    assert ("killed by SIGKILL" if how == "killed" else "stopped responding (no heartbeat)") in message, message
+    assert "stage 1 (rank 2" in message and "killed by SIGKILL" in message, message
     time.sleep(0.2)
     assert all(gone(pid) for pid in pids.values()), err
+
+
+def test_frozen_stage_is_named_within_the_timeout(folders):
+    """In process: SIGSTOP one stage mid-generation; StageFailure within the timeout, all reaped."""
+    model, root = folders
+    timeout = 3.0
+    spec = plan(str(root / "model"), stages=2, draft_rank="with-first-stage", timeout=timeout, threads=1)
+    session = start(spec)
+    pids = {rank: proc.pid for rank, proc in session.workers.items()}
+    tokens = session.stream(PROMPT, OracleDrafter([0] * 20000), max_new_tokens=20000, eos_token_ids=())
+    with pytest.raises(StageFailure) as failure:
+        for count, _ in enumerate(tokens):
+            if count == 20:
+                os.kill(pids[1], signal.SIGSTOP)
+                t0 = time.monotonic()
+    elapsed = time.monotonic() - t0
+    assert failure.value.stage == 1 and "stage 1 (rank 1" in str(failure.value)
+    assert "stopped responding (no heartbeat)" in str(failure.value)
+    assert timeout - 0.5 < elapsed < timeout + 8, elapsed
+    assert session.closed and all(proc.exitcode is not None for proc in session.workers.values())
+    assert all(gone(pid) for pid in pids.values()) and not torch.distributed.is_initialized()
 
 
 def test_bad_arguments_fail_before_any_weights_load(folders, monkeypatch):

@@ -237,7 +237,12 @@ class Controller:
                     cycles.append(ahead.times)
                     ahead = None
                 stats.decode_seconds = now(device) - t_decode
-                yield token
+                try:
+                    yield token
+                except GeneratorExit:   # the consumer stopped early: leave no message unmatched
+                    if ahead is not None:
+                        self._waste(ahead)
+                    raise
                 if done:
                     self._close_times(now(device))
                     return

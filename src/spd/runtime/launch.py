@@ -15,9 +15,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import multiprocessing
 import os
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
@@ -35,6 +34,7 @@ from .faults import StageFailure, describe_exit, diagnose, read_status
 from .layout import CONTROL_RANK, Layout, LayoutError, backend_for, default_threads, pick_device
 from .protocol import Link, PeerError
 from .weights import read_model_config
+from .worker import worker_main
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Session:
         return PDMDrafter(self.pdm)
 
     def _exit_codes(self) -> dict[int, int | None]:
-        return {rank: proc.poll() for rank, proc in (self.workers or {}).items()}
+        return {rank: proc.exitcode for rank, proc in (self.workers or {}).items()}
 
     def _failure(self, err: PeerError) -> StageFailure:
         failure = diagnose(self.store, self.layout, err.rank, str(err),
@@ -214,16 +214,27 @@ class Session:
         self.close(failed=exc[0] is not None)
 
 
-def _reap(proc: subprocess.Popen, grace: float) -> None:
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
+def _reap(proc, grace: float) -> None:
+    """Wait for a stage process to end; terminate, then kill it when it does not."""
+    proc.join(timeout=grace)
+    if proc.exitcode is None:
         proc.terminate()
-        try:
-            proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.join(timeout=2.0)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+
+
+# Stage processes fork from one server process that imported these once (fast starts, no
+# re-import per process and per run); they die with it, and it dies with this process.
+PRELOAD = ["spd.runtime.worker", "spd.runtime.weights", "transformers.models.auto.modeling_auto",
+           "transformers.models.llama.modeling_llama"]
+
+
+def _context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def start(spec: RunSpec) -> Session | None:
@@ -239,16 +250,16 @@ def _spawn_local(spec: RunSpec) -> Session:
     store = connect_store("127.0.0.1", 0, world, master=True)   # port 0: the OS picks a free one
     workers = {}
     try:
+        ctx = _context()
         for rank in range(1, world):
-            command = [sys.executable, "-m", "spd.runtime.worker", "--spec", spec.to_json(), "--rank", str(rank),
-                       "--world-size", str(world), "--master", f"127.0.0.1:{store.port}"]
-            workers[rank] = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+            workers[rank] = ctx.Process(target=worker_main, name=f"spd-{layout.role(rank).replace(' ', '')}",
+                                        args=(spec.to_json(), rank, world, f"127.0.0.1:{store.port}"), daemon=True)
+            workers[rank].start()
         log.info("started %s", ", ".join(f"{layout.role(r)} as rank {r} (pid {p.pid})" for r, p in workers.items()))
         return _control(spec, store, world, local_rank=0, local_world=world, workers=workers)
     except BaseException:
         for proc in workers.values():
-            proc.kill()
-            proc.wait()
+            _reap(proc, grace=0.0)
         raise
 
 
@@ -297,7 +308,7 @@ def _wait_ready(store, layout: Layout, workers, timeout: float) -> None:
     while pending:
         for rank in list(pending):
             status = read_status(store, rank) or {}
-            code = workers[rank].poll() if workers else None
+            code = workers[rank].exitcode if workers else None
             if status.get("error") or code is not None:
                 why = status.get("error") or describe_exit(code)
                 raise StageFailure(f"{layout.role(rank)} (rank {rank}) failed while starting: {why}",

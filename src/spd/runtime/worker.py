@@ -1,7 +1,6 @@
-"""A stage process: `python -m spd.runtime.worker --spec JSON --rank R --world-size W --master H:P`.
-
-Started by `spd.runtime.launch` on one machine, or reached through `start()` on ranks > 0 under
-torchrun. Loads only its stage's layers, publishes its status, serves commands until STOP, and
+"""A stage process: `worker_main` (forked by spd.runtime.launch on one machine; also
+`python -m spd.runtime.worker --spec JSON --rank R --world-size W --master H:P`), or
+`run_stage`, reached through `start()` on ranks > 0 under torchrun. Loads only its stage's layers, publishes its status, serves commands until STOP, and
 exits non-zero (after publishing why) on any failure.
 """
 
@@ -66,6 +65,17 @@ def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_wo
                 pass
 
 
+def worker_main(spec_json: str, rank: int, world_size: int, master: str) -> None:
+    """Entry of a stage process started on this machine by spd.runtime.launch."""
+    die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .launch import RunSpec, connect_store
+
+    host, port = master.rsplit(":", 1)
+    store = connect_store(host, int(port), world_size, master=False)
+    run_stage(RunSpec.from_json(spec_json), rank, world_size, store, rank, world_size)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", required=True)
@@ -73,16 +83,7 @@ def main(argv=None) -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--master", required=True, help="host:port of rank 0's store")
     args = parser.parse_args(argv)
-    die_with_parent()
-    parent = os.getppid()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .launch import RunSpec, connect_store
-
-    host, port = args.master.rsplit(":", 1)
-    if os.getppid() != parent or parent == 1:   # the parent died before prctl took effect
-        raise SystemExit(1)
-    store = connect_store(host, int(port), args.world_size, master=False)
-    run_stage(RunSpec.from_json(args.spec), args.rank, args.world_size, store, args.rank, args.world_size)
+    worker_main(args.spec, args.rank, args.world_size, args.master)
 
 
 if __name__ == "__main__":
