@@ -205,6 +205,9 @@ def demo(
 # Further commands register here, each one line: app.command("name")(module.function)
 from .serve.command import serve  # noqa: E402  (options only; the server loads lazily)
 app.command("serve")(serve)
+from .train.command import train as _train, vocab as _vocab  # noqa: E402  (options only; lazy imports)
+app.command("train")(_train)
+app.command("vocab")(_vocab)
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: SPD and its baselines, measured the same way.")
 app.add_typer(bench_app, name="bench")  # `spd bench <name>`: bench_app.command("name")(module.function)

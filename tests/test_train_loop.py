@@ -1,0 +1,186 @@
+"""The training loop end to end: overfitting one sequence, exact resume, errors, the CLI."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import tiny_model, tiny_target
+from spd import engine
+from spd.baselines.ar import ar_generate
+from spd.checkpoint import load_pdm
+from spd.cli import app
+from spd.drafters import PDMDrafter
+from spd.sampling import SamplingParams
+from spd.target import split_layers
+from spd.train import TrainConfig, pdm_layout, structural_mask, train
+from spd.train.features import target_pass
+from spd.train.objective import DraftForward
+from spd.train.session import StopSignal
+from spd.vocab import count_tokens, save_vocab, top_ids
+from test_train_data import CHAT, tiny_tokenizer
+
+PROMPT = [3, 17, 5, 9]
+
+
+def greedy_sequence(target, new_tokens=60):
+    continuation, _ = ar_generate(target, PROMPT, SamplingParams(), new_tokens, ())
+    return PROMPT + continuation
+
+
+def write_ids(path, seqs):
+    path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
+    return path
+
+
+def agreement_by_fill(target, pdm, seq):
+    """Training-forward top-1 agreement with the target on `seq`, for each fill 1..n."""
+    layout, n = pdm_layout(pdm), pdm.config.n_stages
+    snaps, last = target_pass(target, torch.tensor([seq]), pdm.anchors)
+    features = torch.stack([snaps[a] for a in pdm.anchors], dim=2)
+    want = target.logits(last[0]).argmax(-1)[:-1]
+    out = {}
+    with torch.no_grad():
+        for f in range(1, n + 1):
+            mask = structural_mask(layout, len(seq), torch.full((len(seq),), f))
+            got = pdm.draft_ids[DraftForward(pdm, layout, target)(features, mask).argmax(-1)][:-1]
+            out[f] = float((got == want).float().mean())
+    return out
+
+
+@pytest.mark.parametrize("n,split,vocab", [(2, None, False), (3, (1, 2, 1), True)])
+def test_overfit_one_sequence_then_the_engine_accepts_its_drafts(tmp_path, n, split, vocab):
+    target = tiny_target(num_layers=4)
+    seq = greedy_sequence(target)
+    draft_vocab = None
+    if vocab:  # the sequence's tokens plus some others: 40 of the 64 ids
+        counts = count_tokens([(seq, [1] * len(seq))], target.vocab_size) + 1
+        draft_vocab = str(save_vocab(tmp_path / "vocab.json", top_ids(counts, 40), counts))
+    cfg = TrainConfig(model="tiny", data=(str(write_ids(tmp_path / "one.jsonl", [seq])),), out=str(tmp_path / "pdm"),
+                      stages=n, split=split, draft_vocab=draft_vocab, max_steps=300, lr=3e-3, eval_fraction=0,
+                      batch_tokens=128, progress=False, log_every=50)
+    summary = train(cfg, target=target)
+    assert summary.step == 300 and summary.train_agreement >= 0.95
+    pdm = load_pdm(tmp_path / "pdm", target)
+    assert pdm.config.draft_vocab_size == (40 if vocab else None)
+    assert min(agreement_by_fill(target, pdm, seq).values()) >= 0.95
+    stages = split_layers(target.num_layers, n, list(split) if split else None)
+    out = engine.generate(target, PDMDrafter(pdm), PROMPT, stages, SamplingParams(), len(seq) - len(PROMPT), ())
+    assert out.tokens == seq[len(PROMPT):]
+    assert out.stats.per_draft_acceptance >= 0.9, out.stats
+
+
+def resume_config(tmp_path, out, **kw):
+    target = tiny_target(num_layers=4, seed=1)
+    seqs = [greedy_sequence(tiny_target(num_layers=4, seed=1), k)[: 6 + k] for k in range(4, 20, 3)]
+    data = tmp_path / "data.jsonl"
+    if not data.exists():  # written once: the token store is keyed by the file's mtime
+        write_ids(data, seqs + [s[::-1] for s in seqs])
+    cfg = TrainConfig(model="tiny", data=(str(data),), out=str(tmp_path / out), stages=3, max_steps=100,
+                      grad_accum=2, batch_tokens=48, max_len=24, eval_fraction=0.2, eval_every=20,
+                      save_every=30, lr=2e-3, progress=False, **kw)
+    return cfg, target
+
+
+def test_resume_continues_exactly(tmp_path):
+    cfg, target = resume_config(tmp_path, "straight")
+    straight = train(cfg, target=target)
+    assert straight.step == 100 and straight.eval["tokens"] > 0
+    cfg, target = resume_config(tmp_path, "paused", stop_after=50)
+    assert train(cfg, target=target).step == 50
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(cfg, target=target)
+    with pytest.raises(ValueError, match="stages=3, now stages=2"):
+        train(TrainConfig(**{**cfg.__dict__, "resume": True, "stages": 2}), target=target)
+    cfg, target = resume_config(tmp_path, "paused", resume=True)
+    resumed = train(cfg, target=target)
+    assert resumed.step == 100
+    a, b = load_file(str(tmp_path / "straight/pdm.safetensors")), load_file(str(tmp_path / "paused/pdm.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+    assert json.loads((tmp_path / "paused/pdm_config.json").read_text())["extra"]["training"]["step"] == 100
+
+
+def test_config_errors(tmp_path):
+    target = tiny_target(num_layers=4)
+    data = str(write_ids(tmp_path / "d.jsonl", [[1, 2, 3]]))
+    base = dict(model="tiny", data=(data,), out=str(tmp_path / "o"), progress=False, max_steps=1)
+    with pytest.raises(ValueError, match="at least 2"):
+        train(TrainConfig(**base, max_len=1), target=target)
+    with pytest.raises(FileNotFoundError, match="holds no training state"):
+        train(TrainConfig(**base, resume=True), target=target)
+    with pytest.raises(ValueError, match="5 stages but the model has only 4 layers"):
+        train(TrainConfig(**base, stages=5), target=target)
+
+
+def test_stop_signal_is_caught_and_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.reason == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+# ----- the CLI ------------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    tok = tiny_tokenizer()
+    tiny_model("llama", num_layers=4, vocab=len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def cli(*args):
+    result = runner.invoke(app, [*map(str, args)])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_cli_vocab_train_generate(chat_model, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(6)))
+    code, out, err = cli("vocab", "--model", chat_model, "--data", data, "--out", tmp_path / "v.json", "--size", 8, "--json")
+    assert code == 0, err
+    assert json.loads(out)["size"] == 8 and json.loads(out)["coverage"] == 1.0
+    code, _, err = cli("train", "--model", chat_model, "--data", data, "--out", tmp_path / "pdm", "--stages", 2,
+                       "--draft-vocab", tmp_path / "v.json", "--max-steps", 4, "--eval-fraction", 0.2,
+                       "--no-progress", "--threads", 1)
+    assert code == 0, err
+    assert "done: step 4/4" in err and "agreement" in err
+    code, out, err = cli("generate", "--model", chat_model, "--pdm", tmp_path / "pdm", "--prompt-ids", "1,5,9",
+                         "--max-new-tokens", 6, "--compare-ar")
+    assert code == 0, err
+    assert "tokens identical" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "MISSING.jsonl"], "does not exist"),
+    (["--max-len", "1"], "at least 2"),
+    (["--data", "EMPTY"], "no sequence with a scored token"),
+    (["--data", "CHAT", "--model", "NOTEMPLATE"], "chat template"),
+    (["--anchors", "0,x"], "comma-separated integers"),
+    (["--draft-vocab", "nope.json"], "spd vocab"),
+])
+def test_cli_errors(chat_model, tmp_path, args, message):
+    empty, chat = tmp_path / "empty.jsonl", tmp_path / "chat.jsonl"
+    empty.write_text(json.dumps({"input_ids": [1]}) + "\n")
+    chat.write_text(json.dumps({"messages": CHAT}) + "\n")
+    plain = tmp_path / "plain"
+    tiny_model("llama", num_layers=2, vocab=40).save_pretrained(plain)
+    tiny_tokenizer(chat_template=None).save_pretrained(plain)
+    names = {"EMPTY": empty, "CHAT": chat, "NOTEMPLATE": plain}
+    args = [str(names.get(a, a)) for a in args]
+    base = {"--model": str(chat_model), "--data": str(chat), "--out": str(tmp_path / "o")}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    code, _, err = cli("train", *[x for kv in base.items() for x in kv], "--max-steps", 1, "--no-progress")
+    assert code == 2 and message in err, err
