@@ -31,11 +31,11 @@ def plot_speedup_vs_n(rows: list[dict], path: Path) -> Path:
     ns = sorted({r["n"] for r in overall if r["kind"] in ("spd", "ppsd")})
     for t in sorted({r["temperature"] for r in overall}):
         style = STYLES.get(t, ":")
-        for kind, marker in (("spd", "o"), ("ppsd", "s")):
+        for kind, marker, color in (("spd", "o", "tab:blue"), ("ppsd", "s", "tab:orange")):
             pts = sorted((r["n"], r["theoretical_speedup"]) for r in overall
                          if r["kind"] == kind and r["temperature"] == t)
             if pts:
-                ax.plot(*zip(*pts), style, marker=marker, label=f"{kind.upper()} T={t:g}")
+                ax.plot(*zip(*pts), style, marker=marker, color=color, label=f"{kind.upper()} T={t:g}")
         eagle = sorted((r for r in overall if r["kind"] == "eagle" and r["temperature"] == t),
                        key=lambda r: r["k"])
         for i, r in enumerate(eagle):
@@ -59,6 +59,7 @@ def plot_acceptance_by_position(rows: list[dict], path: Path) -> Path:
     plt = _pyplot()
     overall = [r for r in rows if r["dataset"] == OVERALL and r["kind"] != "ar" and r["acceptance_by_position"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["method"] for r in overall))}
     for ax, kinds, xlabel in ((axes[0], ("spd", "ppsd"), "pipeline fill when drafted (n = steady state)"),
                               (axes[1], ("eagle",), "position in the draft chain")):
         for r in overall:
@@ -66,9 +67,11 @@ def plot_acceptance_by_position(rows: list[dict], path: Path) -> Path:
                 continue
             xs = [i + 1 for i, a in enumerate(r["acceptance_by_position"]) if a is not None]
             ys = [a for a in r["acceptance_by_position"] if a is not None]
-            ax.plot(xs, ys, STYLES.get(r["temperature"], ":"), marker="o",
+            ax.plot(xs, ys, STYLES.get(r["temperature"], ":"), marker="o", color=colors[r["method"]],
                     label=f"{r['method']} T={r['temperature']:g}")
         ax.set_xlabel(xlabel)
+        width = max((len(r["acceptance_by_position"]) for r in overall if r["kind"] in kinds), default=1)
+        ax.set_xticks(range(1, width + 1))
         ax.set_ylim(0, 1)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
