@@ -14,7 +14,7 @@ from spd.checkpoint import save_pdm
 from spd.engine import Pipeline
 from spd.pdm import PDM
 from spd.runtime import Layout, LayoutError, plan, start
-from spd.runtime.controller import CycleTimes, breakdown
+from spd.runtime.controller import CycleTimes, LookaheadPolicy, breakdown
 from spd.runtime.faults import StatusBoard, diagnose
 from spd.runtime.layout import backend_for, pick_device
 from spd.runtime.protocol import Command, Op, report_indices
@@ -137,6 +137,20 @@ def test_breakdown_separates_exposed_communication():
     assert b["pdm_ms"] == pytest.approx(3) and b["stage_ms"] == pytest.approx([4, 6])
     hidden = breakdown([CycleTimes(total=0.01, pdm=0.009, own=0.009, reports=0.009)], [[0.004], [0.006]])
     assert hidden["communication_ms"] == 0.0   # the PDM outlasted the stages
+
+
+def test_lookahead_policy_pays_only_with_high_acceptance():
+    assert LookaheadPolicy("on").ahead() and not LookaheadPolicy("off").ahead()
+    auto = LookaheadPolicy("auto")
+    assert not auto.ahead()   # nothing measured yet
+    for _ in range(40):       # verification is a quarter of a step: ahead pays above a = 0.75
+        auto.update(True, 0.010, 0.040)
+    assert auto.ahead()
+    for _ in range(10):
+        auto.update(False, 0.010, 0.040)
+    assert not auto.ahead()
+    with pytest.raises(ValueError, match="off, on, auto"):
+        LookaheadPolicy("sometimes")
 
 
 def test_diagnosis_blames_the_right_stage(monkeypatch):

@@ -22,7 +22,7 @@ from spd.target import Target, split_layers
 
 PROMPTS = [[3, 17, 5, 9, 22], [40, 2, 2, 2, 2, 2, 2, 2, 2, 7, 11, 60]]
 NEW = 16
-LAYOUTS = [(2, "separate", False), (2, "with-first-stage", True), (3, "separate", True), (3, "with-first-stage", False)]
+LAYOUTS = [(2, "separate", "off"), (2, "with-first-stage", "on"), (3, "separate", "auto"), (3, "with-first-stage", "on")]
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +78,15 @@ def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahea
                 assert ours.tokens == theirs.tokens == reference, (kind, prompt)
                 a, b = ours.stats, theirs.stats
                 assert (a.accepted, a.rejected) == (b.accepted, b.rejected), kind
-                if lookahead:   # every rejection, and the end, wastes the cycle issued ahead
+                if lookahead == "on":   # every rejection, and the end, wastes the cycle issued ahead
                     assert b.cycles + b.rejected <= a.cycles <= b.cycles + b.rejected + 1, kind
-                else:
+                elif lookahead == "off":
                     assert a.cycles == b.cycles, kind
+                else:   # auto: ahead only while it pays, by measured times
+                    assert b.cycles <= a.cycles <= b.cycles + b.rejected + 1, kind
                 assert a.breakdown["cycles"] == a.cycles and len(a.breakdown["stage_ms"]) == n
                 if kind == "adversarial":
-                    assert a.accepted == 0 and a.cycles == (n + lookahead) * (NEW - 1)
+                    assert a.accepted == 0 and a.cycles >= n * (NEW - 1)
 
         prompt = PROMPTS[0]
         reference, _ = ar_generate(full, prompt, max_new_tokens=NEW, eos_token_ids=())

@@ -71,7 +71,7 @@ def generate(
     draft_rank: str = typer.Option("separate", help="--distributed: 'separate' (own rank: n+1 processes) or 'with-first-stage' (n)."),
     devices: Optional[str] = typer.Option(None, help="--distributed: one device per rank, e.g. cuda:0,cuda:1,cuda:2 (default: GPU LOCAL_RANK, else CPU)."),
     timeout: float = typer.Option(30.0, min=0.1, help="--distributed: seconds a message may take before the run fails, naming the stage."),
-    lookahead: bool = typer.Option(False, help="--distributed: start the next cycle before verifying (hides lm_head; a rejection wastes a cycle)."),
+    lookahead: str = typer.Option("off", help="--distributed: off, on, or auto: start the next cycle before verifying (hides lm_head; a rejection wastes a cycle)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Generate with SPD (in one process, or --distributed); print the text and the decode statistics."""

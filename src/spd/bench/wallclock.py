@@ -43,7 +43,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | None = N
             draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm"),
             prompts: list[str] | None = None, max_new_tokens: int = 64, ar_threads: tuple[int, ...] = (),
             threads: int | None = None, pdm: str | None = None, dtype: str = "float32",
-            lookahead: bool = False) -> dict:
+            lookahead: str = "auto") -> dict:
     """Run the benchmark; returns {ar: {...}, <drafter>: {...}, settings: {...}}."""
     import torch
 
@@ -121,7 +121,7 @@ def format_report(results: dict) -> str:
     lines = [f"wall-clock: {s['model']}, n={len(s['stage_layers'])} split={s['stage_layers']}, draft rank "
              f"{s['draft_rank']} ({s['processes']} processes x {s['spd_threads_per_process']} threads; "
              f"{s['cores']} cores), {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['dtype']}"
-             + (", lookahead" if s["lookahead"] else "")
+             + f", lookahead {s['lookahead']}"
              + (f"; load average {load[0]:.1f} -> {load[1]:.1f}" if load[0] is not None else "")]
     for r in results["ar"]:
         lines.append(f"  AR ({r['threads']} threads)    {r['tokens_per_second']:7.2f} tok/s")
@@ -153,7 +153,7 @@ def bench_wallclock(
     ar_threads: Optional[str] = typer.Option(None, help="torch threads for AR, one run each, e.g. 2,1 (default: every core, and 1); ratios are against the fastest."),
     threads: Optional[int] = typer.Option(None, help="torch threads per SPD process (default: cores / processes)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    lookahead: bool = typer.Option(False, help="Start each cycle before the previous one is verified."),
+    lookahead: str = typer.Option("auto", help="off, on, or auto: start a cycle before the previous one is verified."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ):
     """AR vs distributed SPD decode tokens/s on the same prompts and cores; ratio, acceptance, cycle breakdown."""

@@ -84,20 +84,49 @@ class Issued:
     reports: dict = field(default_factory=dict)
 
 
+LOOKAHEAD = ("off", "on", "auto")
+
+
+class LookaheadPolicy:
+    """Whether to issue the next cycle before verifying: "off", "on", or "auto" (when it pays).
+
+    Looking ahead hides the verification time V of every exit and wastes one cycle T on every
+    rejection, so "auto" looks ahead while the running acceptance a > 1 - V / T.
+    """
+
+    def __init__(self, mode: str, smoothing: float = 0.1):
+        if mode not in LOOKAHEAD:
+            raise ValueError(f"lookahead must be one of {', '.join(LOOKAHEAD)}; got {mode!r}")
+        self.mode, self.smoothing = mode, smoothing
+        self.acceptance, self.verify, self.step = 0.5, 0.0, 0.0
+
+    def ahead(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "on"
+        return self.step > 0 and self.acceptance > 1.0 - self.verify / self.step
+
+    def update(self, accepted: bool, verify_seconds: float, step_seconds: float) -> None:
+        mix = lambda old, new: old + self.smoothing * (new - old)  # noqa: E731
+        self.acceptance = mix(self.acceptance, float(accepted))
+        self.verify = mix(self.verify, verify_seconds) if self.verify else verify_seconds
+        self.step = mix(self.step, step_seconds) if self.step else step_seconds
+
+
 class Controller:
     """Rank 0 of a distributed run. `target` holds embedding, norm, lm_head (+ stage 0 if local).
 
-    lookahead=True issues the next cycle (assuming acceptance) before verifying, so lm_head and
+    With lookahead the next cycle is issued (assuming acceptance) before verifying, so lm_head and
     verification overlap the stages' next step; a rejection then wastes that one cycle. Tokens,
     drafts and accept/reject decisions are the engine's either way; only the cycle count moves.
     """
 
     def __init__(self, target: Target, layout: Layout, link: Link, anchors, local: StageWorker | None,
-                 lookahead: bool = False):
+                 lookahead: str = "off"):
         assert target.embed_tokens is not None and target.lm_head is not None, "control needs embed + head"
         assert (local is not None) == layout.colocated
         self.target, self.layout, self.link, self.local = target, layout, link, local
         self.lookahead = lookahead
+        LookaheadPolicy(lookahead)   # a bad mode fails here
         self._last: Issued | None = None   # the latest STEP, whose total the next command closes
         self.anchors = sorted(set(anchors))
         n = layout.n_stages
@@ -162,6 +191,17 @@ class Controller:
         store_snapshots(features, [newest], {0: hidden[0]}, column)   # its depth-0 feature
         return self._issue(command, hidden, [(p, newest - p) for p in range(newest, first - 1, -1)])
 
+    def _prefill(self, prompt_ids, features, column, params, gen) -> int:
+        """The prompt through every stage in turn (crop to 0 first); the target's own first token."""
+        length = len(prompt_ids)
+        hidden = self.target.embed(torch.tensor(prompt_ids, device=self.link.device))
+        store_snapshots(features, slice(0, length), {0: hidden[0]}, column)
+        prefill = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0), hidden,
+                              [(0, k) for k in range(self.layout.n_stages)])
+        self._run_local(prefill)
+        last = self._collect(prefill, features, column)
+        return sample(self.target.logits(last[-1]), params, gen)
+
     # -- the schedule -----------------------------------------------------------------------------
     @torch.inference_mode()
     def stream(self, drafter: Drafter, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
@@ -184,21 +224,15 @@ class Controller:
         capacity = len(prompt_ids) + max_new_tokens + n + 1
         features = torch.zeros(capacity, len(column), target.hidden_size, device=device, dtype=target.dtype)
 
-        # Prefill: the prompt through every stage in turn; the first token is the target's own.
         t0, length = now(device), len(prompt_ids)
-        hidden = target.embed(torch.tensor(prompt_ids, device=device))
-        store_snapshots(features, slice(0, length), {0: hidden[0]}, column)
-        prefill = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0), hidden,
-                              [(0, k) for k in range(n)])
-        self._run_local(prefill)
-        last = self._collect(prefill, features, column)
-        tokens = list(prompt_ids) + [sample(target.logits(last[-1]), params, gen)]
+        tokens = list(prompt_ids) + [self._prefill(prompt_ids, features, column, params, gen)]
         stats.prefill_seconds, stats.new_tokens = now(device) - t0, 1
         yield tokens[-1]
         if tokens[-1] in eos or max_new_tokens == 1:
             return
 
         drafter.begin(length)
+        policy = LookaheadPolicy(self.lookahead)
         pipe = Pipeline(tokens, first_inflight=length, n_stages=n)
         t_decode = now(device)
         cycle = self._step(tokens, pipe.newest, pipe.first_inflight, -1, features, column)
@@ -218,7 +252,7 @@ class Controller:
             stats.pdm_seconds += cycle.times.pdm
             ahead, token, accepted, crop = None, None, True, -1
             if len(cycle.work) == n:   # the oldest token finished all n stages: verify the next one
-                if self.lookahead:     # issue the next cycle as if the draft is accepted, then verify
+                if policy.ahead():     # issue the next cycle as if the draft is accepted, then verify
                     ahead = self._step(tokens, pipe.newest, pipe.first_inflight + 1, -1, features, column)
                 t = now(device)
                 accepted, token, checked = pipe.settle(target.logits(finished[0]), params, gen)
@@ -227,6 +261,7 @@ class Controller:
                 crop = -1 if accepted else checked   # every stage crops there next cycle
                 cycle.times.verify = now(device) - t
                 stats.verify_seconds += cycle.times.verify
+                policy.update(accepted, cycle.times.verify, cycle.times.reports)
             cycles.append(cycle.times)
             if token is not None:
                 stats.new_tokens += 1

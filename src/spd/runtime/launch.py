@@ -29,7 +29,7 @@ from ..engine import GenerationResult
 from ..pdm import default_anchors
 from ..sampling import SamplingParams
 from ..shipped import shipped_pdm
-from .controller import Controller, CycleTimes, DistributedStats, breakdown
+from .controller import LOOKAHEAD, Controller, CycleTimes, DistributedStats, breakdown
 from .faults import StageFailure, describe_exit, diagnose, read_status
 from .layout import CONTROL_RANK, Layout, LayoutError, backend_for, default_threads, pick_device
 from .protocol import Link, PeerError
@@ -54,7 +54,7 @@ class RunSpec:
     threads: int | None = None       # torch threads per process (None: cores / local processes)
     pdm: str | None = None           # PDM checkpoint folder; None: a random PDM (rank 0 only)
     pdm_layers: int = 1
-    lookahead: bool = False          # issue the next cycle before verifying (see Controller)
+    lookahead: str = "off"           # off / on / auto: issue the next cycle before verifying
 
     @property
     def layout(self) -> Layout:
@@ -74,6 +74,8 @@ class RunSpec:
 def plan(model: str, stages: int | None = None, split: list[int] | None = None, draft_rank: str = "separate",
          pdm: str | None = None, **options) -> RunSpec:
     """Check the arguments against config.json and the PDM's JSON; raise LayoutError if they clash."""
+    if options.get("lookahead", "off") not in LOOKAHEAD:
+        raise LayoutError(f"--lookahead must be one of {', '.join(LOOKAHEAD)}; got {options['lookahead']!r}")
     folder, config = read_model_config(model)
     num_layers = config.num_hidden_layers
     pdm = pdm if pdm is not None else shipped_pdm(model, stages, split)
