@@ -6,7 +6,7 @@ indices {2, L/2, L-3}) together with the embedding of the token at t+1, and pred
 t+2 with one decoder layer of the target's own architecture, the target's final norm and a draft
 lm_head:
 
-    row_t = fc([embed(x_{t+1}) ; g_t]),   g_t = fuse([rms(h_low_t) ; rms(h_mid_t) ; rms(h_high_t)])
+    row_t = fc([rms(embed(x_{t+1})) ; g_t]),   g_t = fuse([rms(h_low_t) ; rms(h_mid_t) ; rms(h_high_t)])
     a_t   = layer(row_t | rows < t)       logits(x_{t+2}) = lm_head(norm(a_t))
 
 Drafting k tokens is autoregressive: after the first draft, the target's feature of the newest
@@ -59,7 +59,7 @@ class EagleConfig:
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
-    """Scale-free features: pre-norm hidden states grow with depth; the head sees unit RMS."""
+    """Scale-free inputs: hidden states grow with depth and embeddings are small; all get unit RMS."""
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
 
 
@@ -95,7 +95,7 @@ class EagleHead(nn.Module):
         """(B, r) ids of the tokens after each row, (B, r, H) features g or a, (r,) positions
         -> (B, r, H) pre-norm outputs a (the next step's feature)."""
         assert next_ids.shape == feature.shape[:2] and feature.shape[1] == len(positions)
-        rows = self.fc(torch.cat([self._target["embed"](next_ids), feature], dim=-1))
+        rows = self.fc(torch.cat([_rms(self._target["embed"](next_ids)), feature], dim=-1))
         position_ids = positions[None]
         rope = self._target["rotary_emb"](rows, position_ids=position_ids)
         return self.layer(rows, attention_mask=mask, position_ids=position_ids, cache=cache,
