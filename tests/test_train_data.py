@@ -10,7 +10,7 @@ from conftest import tiny_model
 from spd.baselines.ar import ar_generate
 from spd.sampling import SamplingParams
 from spd.target import Target
-from spd.train.data import (DataError, Example, TokenStore, chat_example, cut, iter_records, open_token_store,
+from spd.train.data import (DataError, Example, chat_example, cut, iter_records, open_token_store,
                             plan_batches, record_example, regenerate, split_eval)
 from spd.train.features import BatchLoader, FeatureStore, target_pass
 from spd.vocab import count_tokens, load_vocab, save_vocab, top_ids

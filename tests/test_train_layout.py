@@ -222,3 +222,21 @@ def test_parity_along_a_real_engine_run(name):
         torch.testing.assert_close(trained[t], served, atol=ATOL, rtol=0, msg=f"t={t} f={f}")
         checked, fills_seen = checked + 1, fills_seen | {f}
     assert checked >= 10 and fills_seen == set(range(1, n + 1))
+
+
+def test_batched_padded_forward_equals_one_sequence_at_a_time():
+    target, pdm = make_case(**CASES["n3-uneven-m<n+1-vocab"])
+    layout = pdm_layout(pdm)
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, target.vocab_size, (n,), generator=gen).tolist() for n in (9, 5)]
+    fills = sample_fills(9, 3, 0.5, gen)
+    padded = torch.tensor([seqs[0], seqs[1] + [0] * 4])
+    snaps, _ = target_pass(target, padded, pdm.anchors)
+    features = torch.stack([snaps[a] for a in pdm.anchors], dim=2)
+    allowed = structural_allowed(layout, 9, fills)
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    with torch.no_grad():
+        both = DraftForward(pdm, layout, target)(features, mask).reshape(2, 9, -1)
+    for row, seq in enumerate(seqs):
+        alone = train_logits(target, pdm, layout, seq, fills[:len(seq)])
+        torch.testing.assert_close(both[row, :len(seq)], alone, atol=ATOL, rtol=0)

@@ -153,9 +153,14 @@ def test_cli_vocab_train_generate(chat_model, tmp_path):
     assert json.loads(out)["size"] == 8 and json.loads(out)["coverage"] == 1.0
     code, _, err = cli("train", "--model", chat_model, "--data", data, "--out", tmp_path / "pdm", "--stages", 2,
                        "--draft-vocab", tmp_path / "v.json", "--max-steps", 4, "--eval-fraction", 0.2,
-                       "--no-progress", "--threads", 1)
+                       "--stop-after", 2, "--no-progress", "--threads", 1)
+    assert code == 0, err
+    assert "done: step 2/4" in err and "continue with --resume" in err
+    code, _, err = cli("train", "--out", tmp_path / "pdm", "--resume", "--no-progress")  # saved settings
     assert code == 0, err
     assert "done: step 4/4" in err and "agreement" in err
+    code, _, err = cli("train", "--out", tmp_path / "pdm", "--resume", "--stages", 3, "--no-progress")
+    assert code == 2 and "stages=2, now stages=3" in err
     code, out, err = cli("generate", "--model", chat_model, "--pdm", tmp_path / "pdm", "--prompt-ids", "1,5,9",
                          "--max-new-tokens", 6, "--compare-ar")
     assert code == 0, err
@@ -169,6 +174,7 @@ def test_cli_vocab_train_generate(chat_model, tmp_path):
     (["--data", "CHAT", "--model", "NOTEMPLATE"], "chat template"),
     (["--anchors", "0,x"], "comma-separated integers"),
     (["--draft-vocab", "nope.json"], "spd vocab"),
+    (["--model", ""], "--model required"),
 ])
 def test_cli_errors(chat_model, tmp_path, args, message):
     empty, chat = tmp_path / "empty.jsonl", tmp_path / "chat.jsonl"

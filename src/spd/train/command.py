@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional
 
 import typer
@@ -20,71 +21,78 @@ def _ints(text: Optional[str], what: str):
 
 
 def train(
-    model: str = typer.Option(..., help="Target model folder, hub id, or 'default' (embedded SmolLM2-135M-Instruct)."),
-    data: List[str] = typer.Option(..., help="Training files (.txt, .jsonl with text/messages/input_ids, .parquet); repeat the option for several."),
+    model: Optional[str] = typer.Option(None, help="Target model folder, hub id, or 'default' (embedded SmolLM2-135M-Instruct)."),
+    data: Optional[List[str]] = typer.Option(None, help="Training files (.txt, .jsonl with text/messages/input_ids, .parquet); repeat the option for several."),
     out: str = typer.Option(..., help="Output folder: the PDM checkpoint `spd generate --pdm` loads."),
-    stages: int = typer.Option(2, "--stages", "-n", min=1, help="Pipeline stages n."),
+    stages: Optional[int] = typer.Option(None, "--stages", "-n", min=1, help="Pipeline stages n (default 2)."),
     split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 8,8,7,7 (default: most even)."),
-    pdm_layers: int = typer.Option(1, min=1, help="Decoder layers in the PDM body (N_s)."),
-    anchors: str = typer.Option("auto", help="'auto' (the spec's default) or hidden-state indices, e.g. 0,8,23,30."),
-    draft_vocab: Optional[str] = typer.Option(None, help="Draft vocabulary file from `spd vocab`."),
-    init_from: str = typer.Option("last", help="Body init: 'last' target layers, 'none' (random), or indices."),
-    layout: str = typer.Option("auto", help="auto | types | depths (auto: exact for the PDM's N_s)."),
+    pdm_layers: Optional[int] = typer.Option(None, min=1, help="Decoder layers in the PDM body, N_s (default 1)."),
+    anchors: Optional[str] = typer.Option(None, help="'auto' (default: the spec's rule) or hidden-state indices, e.g. 0,8,23,30."),
+    draft_vocab: Optional[str] = typer.Option(None, help="Draft vocabulary file from `spd vocab` (default: full vocabulary)."),
+    init_from: Optional[str] = typer.Option(None, help="Body init: 'last' target layers (default), 'none' (random), or indices."),
+    layout: Optional[str] = typer.Option(None, help="auto (default: exact for the PDM's N_s) | types | depths."),
     max_steps: Optional[int] = typer.Option(None, help="Optimizer steps (default: --epochs)."),
     epochs: Optional[float] = typer.Option(None, help="Passes over the data (default 1 when --max-steps is not given)."),
-    lr: float = typer.Option(5e-4, help="Peak learning rate (AdamW)."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate, AdamW (default 1e-3)."),
     warmup_steps: Optional[int] = typer.Option(None, help="Warm-up steps (default 3% of the steps)."),
-    batch_tokens: int = typer.Option(4096, help="Padded tokens per micro-batch (sequences are bucketed by length)."),
-    grad_accum: int = typer.Option(1, min=1, help="Micro-batches per optimizer step."),
-    max_len: int = typer.Option(512, help="Longest training sequence; longer ones are cut."),
-    pack: bool = typer.Option(False, help="Concatenate documents into rows of exactly --max-len."),
-    partial_fill: float = typer.Option(0.5, help="Share of cycles trained as partial pipelines (after a rejection)."),
-    temperature: float = typer.Option(1.0, help="Distillation temperature."),
-    grad_clip: float = typer.Option(1.0, help="Gradient norm clip (0 = off)."),
-    weight_decay: float = typer.Option(0.0),
-    precision: str = typer.Option("fp32", help="fp32, or bf16 autocast (for GPUs; slow on CPU)."),
-    device: str = typer.Option("cpu", help="cpu or cuda (torchrun: one GPU per process)."),
-    dtype: str = typer.Option("float32", help="Target weights dtype."),
+    batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per micro-batch, sequences bucketed by length (default 2048)."),
+    grad_accum: Optional[int] = typer.Option(None, min=1, help="Micro-batches per optimizer step (default 1)."),
+    max_len: Optional[int] = typer.Option(None, help="Longest training sequence; longer ones are cut (default 512)."),
+    pack: Optional[bool] = typer.Option(None, "--pack/--no-pack", help="Concatenate documents into rows of exactly --max-len (default off)."),
+    partial_fill: Optional[float] = typer.Option(None, help="Share of cycles trained as partial pipelines, after a rejection (default 0.5)."),
+    temperature: Optional[float] = typer.Option(None, help="Distillation temperature (default 1)."),
+    grad_clip: Optional[float] = typer.Option(None, help="Gradient norm clip, 0 = off (default 1)."),
+    weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay (default 0)."),
+    precision: Optional[str] = typer.Option(None, help="fp32 (default), or bf16 autocast (for GPUs; slow on CPU)."),
+    device: Optional[str] = typer.Option(None, help="cpu (default) or cuda (torchrun: one GPU per process)."),
+    dtype: Optional[str] = typer.Option(None, help="Target weights dtype (default float32)."),
     cache: Optional[str] = typer.Option(None, help="Token + feature cache folder (default OUT/cache); share it between runs."),
-    feature_cache: bool = typer.Option(True, help="Run the target once and keep its features on disk."),
+    feature_cache: Optional[bool] = typer.Option(None, "--feature-cache/--no-feature-cache", help="Run the target once and keep its features on disk (default on)."),
     cache_anchors: Optional[str] = typer.Option(None, help="Extra anchors to store, so runs with other n reuse the cache."),
-    cache_dtype: str = typer.Option("float16", help="float16 or float32 feature cache."),
+    cache_dtype: Optional[str] = typer.Option(None, help="float16 (default) or float32 feature cache."),
     regenerate: Optional[str] = typer.Option(None, help="greedy | sample: the target rewrites the chat answers first."),
-    regen_max_new_tokens: int = typer.Option(256, help="Longest regenerated answer."),
-    eval_fraction: float = typer.Option(0.02, help="Held-out share of sequences for eval."),
-    eval_every: int = typer.Option(200, help="Eval every N steps (0: only at the end)."),
-    save_every: int = typer.Option(200, help="Checkpoint every N steps (and on Ctrl-C / SIGTERM)."),
-    resume: bool = typer.Option(False, help="Continue the run in --out exactly where it stopped."),
+    regen_max_new_tokens: Optional[int] = typer.Option(None, help="Longest regenerated answer (default 256)."),
+    eval_fraction: Optional[float] = typer.Option(None, help="Held-out share of sequences for eval (default 0.02)."),
+    eval_every: Optional[int] = typer.Option(None, help="Eval every N steps, 0: only at the end (default 200)."),
+    save_every: Optional[int] = typer.Option(None, help="Checkpoint every N steps, and on Ctrl-C / SIGTERM (default 200)."),
+    resume: bool = typer.Option(False, help="Continue the run in --out where it stopped, with its saved settings."),
     stop_after: Optional[int] = typer.Option(None, help="Pause after N steps this session (continue with --resume)."),
-    seed: int = typer.Option(0),
+    seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
-    """Train a Pipeline Draft Module for a target and a stage split (SPEC section 4)."""
+    """Train a Pipeline Draft Module for a target and a stage split (SPEC section 4).
+
+    With --resume only --out is needed: the run continues with its saved settings; options
+    given as well override them (settings that shape the run must match, or it fails).
+    """
     import logging
 
     from ..cli import _setup
-    from .loop import TrainConfig, train as run_train
+    from .loop import make_config, train as run_train
 
     _setup(threads, verbose)
     logging.getLogger("spd.train").setLevel(logging.INFO)  # what the run does, step by step
     try:
-        cfg = TrainConfig(
-            model=model, data=tuple(data), out=out, stages=stages, split=_ints(split, "--split"),
-            pdm_layers=pdm_layers, anchors=None if anchors == "auto" else _ints(anchors, "--anchors"),
-            draft_vocab=draft_vocab, init_from=init_from, layout=layout, max_steps=max_steps, epochs=epochs,
-            lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens, grad_accum=grad_accum, max_len=max_len,
-            pack=pack, partial_fill=partial_fill, temperature=temperature, grad_clip=grad_clip,
-            weight_decay=weight_decay, precision=precision, device=device, target_dtype=dtype, cache=cache,
-            feature_cache=feature_cache, cache_anchors=_ints(cache_anchors, "--cache-anchors") or (),
-            cache_dtype=cache_dtype, regenerate=regenerate, regen_max_new_tokens=regen_max_new_tokens,
-            eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every, resume=resume,
-            stop_after=stop_after, seed=seed, progress=progress)
-        summary = run_train(cfg)
+        given = dict(
+            model=model, data=tuple(data) if data else None, stages=stages, split=_ints(split, "--split"),
+            pdm_layers=pdm_layers, draft_vocab=draft_vocab, init_from=init_from, layout=layout,
+            max_steps=max_steps, epochs=epochs, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
+            grad_accum=grad_accum, max_len=max_len, pack=pack, partial_fill=partial_fill,
+            temperature=temperature, grad_clip=grad_clip, weight_decay=weight_decay, precision=precision,
+            device=device, target_dtype=dtype, cache=cache, feature_cache=feature_cache,
+            cache_anchors=_ints(cache_anchors, "--cache-anchors"), cache_dtype=cache_dtype,
+            regenerate=regenerate, regen_max_new_tokens=regen_max_new_tokens, eval_fraction=eval_fraction,
+            eval_every=eval_every, save_every=save_every, stop_after=stop_after, seed=seed)
+        given = {k: v for k, v in given.items() if v is not None}
+        if anchors is not None:
+            given["anchors"] = None if anchors == "auto" else _ints(anchors, "--anchors")
+        summary = run_train(make_config(out, resume, progress=progress, **given))
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
         _fail(str(err))
-    typer.echo(_summary_text(summary), err=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary
+        typer.echo(_summary_text(summary), err=True)
 
 
 def _summary_text(s) -> str:

@@ -67,7 +67,8 @@ class FeatureStore:
     """Anchor hidden states, h_L and the teacher argmax for every token of a TokenStore.
 
     Files: features.bin ((tokens, A, H) memmap; A = stored anchors, the last one is L),
-    argmax.bin ((tokens,) int32), done.bin ((sequences,) uint8), meta.json.
+    argmax.bin ((tokens,) int32; -1 at rows that are not scored), done.bin ((sequences,)
+    uint8), meta.json.
     """
 
     def __init__(self, folder, tokens, meta: dict):
@@ -145,8 +146,10 @@ class FeatureStore:
             snaps, last = target_pass(target, ids, self.anchors[:-1])
             snaps[target.num_layers] = last
             stacked = torch.stack([snaps[a] for a in self.anchors], dim=2).float().cpu().numpy()
-            flat_last = last.reshape(-1, last.shape[-1])
-            argmax = full_argmax(target, flat_last).reshape(ids.shape).cpu().numpy()
+            scored = self.tokens.scored(batch, ids.shape[1]).to(ids.device)  # only those are read
+            argmax = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+            argmax[scored] = full_argmax(target, last[scored])
+            argmax = argmax.cpu().numpy()
             if self.meta["dtype"] == "float16" and np.abs(stacked).max() > 65000:
                 raise ValueError("target hidden states overflow float16; rebuild the cache with --cache-dtype float32")
             for row, i in enumerate(batch):

@@ -17,19 +17,19 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import CONFIG, load_pdm, save_pdm
+from ..checkpoint import CONFIG, WEIGHTS, load_pdm, save_pdm
 from ..pdm import PDM, default_anchors
 from ..target import split_layers
 from .data import open_token_store, plan_batches, split_eval
 from .features import BatchLoader, FeatureStore
 from .layout import pdm_layout, sample_fills, structural_mask
 from .objective import DistillStats, DraftForward, distill, teacher_head, teacher_logits, vocab_index
-from .session import Session, StopSignal, load_state, save_state
+from .session import STATE, Session, StopSignal, load_state, save_state
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +45,15 @@ class TrainConfig:
     anchors: tuple[int, ...] | None = None  # None: the spec's default for the split
     draft_vocab: str | None = None        # file from `spd vocab`
     init_from: str = "last"               # body init: "last" target layers, "none", or "12,13"
-    proj_init: str = "random"             # random | deepest (identity on each type's deepest anchor)
     layout: str = "auto"                  # auto | types | depths (see layout.py)
     partial_fill: float = 0.5             # share of cycles trained as partial pipelines
     temperature: float = 1.0              # distillation temperature
     max_len: int = 512
     pack: bool = False
-    batch_tokens: int = 4096              # padded tokens per micro-batch
+    batch_tokens: int = 2048              # padded tokens per micro-batch
     max_steps: int | None = None
     epochs: float | None = None           # used when max_steps is None (default 1)
-    lr: float = 5e-4
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1             # cosine decays to lr * this
     warmup_steps: int | None = None       # default: 3% of the steps
     weight_decay: float = 0.0
@@ -114,6 +113,31 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+# settings of one session, not of the run: never taken over from a saved run
+SESSION_ONLY = ("resume", "stop_after", "progress")
+
+
+def make_config(out: str, resume: bool = False, **given) -> TrainConfig:
+    """TrainConfig from the settings given; with resume, the saved run's settings fill the rest."""
+    names = {f.name for f in fields(TrainConfig)}
+    unknown = set(given) - names
+    if unknown:
+        raise ValueError(f"unknown training settings: {sorted(unknown)}")
+    settings = {}
+    if resume:
+        path = Path(out) / STATE
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
+        saved = torch.load(path, map_location="cpu", weights_only=True)["config"]
+        settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                    if k in names and k not in SESSION_ONLY}
+    settings.update(given, out=str(out), resume=resume)
+    missing = [f"--{k}" for k in ("model", "data") if not settings.get(k)]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} required (or --resume a run in --out)")
+    return TrainConfig(**settings)
+
+
 def build_pdm(target, cfg: TrainConfig) -> PDM:
     """A fresh PDM for the config (fp32 master weights)."""
     from ..vocab import load_vocab
@@ -131,14 +155,6 @@ def build_pdm(target, cfg: TrainConfig) -> PDM:
             raise ValueError(f"--init-from needs {cfg.pdm_layers} target layer indices in "
                              f"[0, {target.num_layers}), got {cfg.init_from!r}")
     pdm = PDM.create(target, stage_layers, anchors, cfg.pdm_layers, draft_ids, init, cfg.seed).float()
-    if cfg.proj_init == "deepest":
-        hidden = target.hidden_size
-        with torch.no_grad():
-            for k, proj in enumerate(pdm.projections):
-                proj.weight.zero_()
-                proj.weight[:, k * hidden:(k + 1) * hidden] = torch.eye(hidden)
-    elif cfg.proj_init != "random":
-        raise ValueError(f"--proj-init must be random or deepest, got {cfg.proj_init!r}")
     return pdm
 
 
@@ -190,65 +206,15 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> TrainSummary:
     """Train a PDM as configured; returns the summary (also written to OUT/train_summary.json)."""
     check_config(cfg)
     session = Session.start(cfg.device)
-    out = Path(cfg.out)
-    if target is None:
-        from ..loading import parse_dtype
-        from ..target import load_target
-        target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
-    has_ckpt = (out / "train_state.pt").is_file()
-    if has_ckpt and not cfg.resume:
-        raise FileExistsError(f"{out} already holds a training run; pass --resume to continue it "
-                              f"or choose another --out")
-    if cfg.resume and not has_ckpt:
-        raise FileNotFoundError(f"--resume: {out} holds no training state (train_state.pt)")
-    state = load_state(out, cfg) if cfg.resume else None
-    out.mkdir(parents=True, exist_ok=True)
-    pdm = build_pdm(target, cfg)
-    if state is not None:
-        pdm.load_state_dict(load_pdm(out, target, list(pdm.config.stage_layers)).float().state_dict())
-    layout = pdm_layout(pdm, cfg.layout)
-    for k, projection in enumerate(pdm.projections):  # a type no depth reaches is never trained
-        projection.requires_grad_(k in layout.block_types)
-    tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
-    train_idx, eval_idx = split_eval(len(tokens), cfg.eval_fraction, cfg.seed)
-    plans = {}
-
-    def plan(epoch: int) -> list[list[int]]:
-        if epoch not in plans:
-            plans.clear()
-            plans[epoch] = plan_batches(train_idx, tokens.lengths, cfg.batch_tokens, seed=cfg.seed * 100003 + epoch)
-        return plans[epoch]
-
-    per_epoch = len(plan(0))
-    micro_per_step = cfg.grad_accum * session.world
-    total = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * per_epoch / micro_per_step))
-    forward = session.wrap(DraftForward(pdm, layout, target))
-    optimizer = torch.optim.AdamW([p for p in pdm.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                  fused=True)  # one kernel per step: the update is not free at 10M+ params
-    step = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-    head, index = teacher_head(target, pdm), vocab_index(pdm, target.vocab_size)
-    eval_batches = _eval_batches(eval_idx, tokens, cfg)
-    summary = TrainSummary(str(out), step, total)
-    log.info("training %s: n=%d split=%s anchors=%s N_s=%d layout %s blocks=%s; %d train / %d eval "
-             "sequences, %d micro-batches per epoch, %d steps", cfg.model, pdm.config.n_stages,
-             list(pdm.config.stage_layers), pdm.anchors, cfg.pdm_layers, layout.block_depths,
-             layout.block_types, len(train_idx), len(eval_idx), per_epoch, total)
-
-    run = _Run(cfg, session, target, pdm, layout, forward, loader, head, index)
-    end = total if cfg.stop_after is None else min(total, step + cfg.stop_after)
-    bar = _bar(cfg.progress and session.rank == 0, total, step)
+    run = _Run.open(cfg, session, target, tokenizer)
+    summary = TrainSummary(cfg.out, run.step, run.total)
+    end = run.total if cfg.stop_after is None else min(run.total, run.step + cfg.stop_after)
+    bar = _bar(cfg.progress and session.rank == 0, run.total, run.step)
     window, t_start = DistillStats(), time.perf_counter()
     with StopSignal() as stop:
-        while step < end:
-            lr = lr_at(step, cfg, total)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            micro = [step * micro_per_step + k * session.world + session.rank for k in range(cfg.grad_accum)]
-            stats, n_tokens = run.step([plan(g // per_epoch)[g % per_epoch] for g in micro], micro, optimizer)
-            step += 1
+        while run.step < end:
+            lr, stats, n_tokens = run.train_step()
+            step = run.step
             window.add(stats)
             summary.tokens += n_tokens * session.world
             summary.seconds = time.perf_counter() - t_start
@@ -257,38 +223,119 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> TrainSummary:
                             tok_s=f"{summary.tokens_per_second:.0f}", lr=f"{lr:.1e}")
             if step % cfg.log_every == 0 or step == end:
                 summary.train_loss, summary.train_agreement = window.loss, window.agreement
-                session.log_line(out, {"step": step, "lr": lr, "loss": window.loss, "agreement": window.agreement,
-                                       "tokens_per_second": summary.tokens_per_second})
+                session.log_line(run.out, {"step": step, "lr": lr, "loss": window.loss, "agreement": window.agreement,
+                                           "tokens_per_second": summary.tokens_per_second})
                 window = DistillStats()
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < end and eval_batches:
-                summary.eval = run.evaluate(eval_batches)
-                session.log_line(out, {"step": step, "eval": summary.eval})
-                _say(bar, f"step {step}: " + _format_eval(summary.eval))
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < end and run.eval_batches:
+                summary.eval = run.evaluate()
+                session.log_line(run.out, {"step": step, "eval": summary.eval})
+                if session.rank == 0:
+                    _say(bar, f"step {step}: " + _format_eval(summary.eval))
             if stop.reason or (cfg.save_every and step % cfg.save_every == 0 and step < end):
-                _checkpoint(out, pdm, optimizer, step, cfg, layout, summary, session)
+                run.checkpoint(summary)
             if stop.reason:
                 summary.interrupted = stop.reason
                 break
     bar.close()
-    summary.step = step
-    if eval_batches and not summary.interrupted:
-        summary.eval = run.evaluate(eval_batches)
-    _checkpoint(out, pdm, optimizer, step, cfg, layout, summary, session)
+    summary.step = run.step
+    if run.eval_batches and not summary.interrupted:
+        summary.eval = run.evaluate()
+    run.checkpoint(summary)
     if session.rank == 0:
-        (out / "train_summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
+        (run.out / "train_summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
     session.close()
     return summary
 
 
 class _Run:
-    """The per-step and eval computations of one training run."""
+    """One training run's state (model, data, optimizer, step) and its computations."""
 
-    def __init__(self, cfg, session, target, pdm, layout, forward, loader, head, index):
+    @classmethod
+    def open(cls, cfg: TrainConfig, session: Session, target=None, tokenizer=None) -> "_Run":
+        """Load the target, build or resume the PDM, prepare the data and the optimizer."""
+        out = Path(cfg.out)
+        if target is None:
+            from ..loading import parse_dtype
+            from ..target import load_target
+            target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
+        has_state = (out / STATE).is_file()
+        if has_state and not cfg.resume:
+            raise FileExistsError(f"{out} already holds a training run; pass --resume to continue it "
+                                  f"or choose another --out")
+        if cfg.resume and not has_state:
+            raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
+        state = load_state(out, cfg) if cfg.resume else None
+        out.mkdir(parents=True, exist_ok=True)
+        pdm = build_pdm(target, cfg)
+        if state is not None:
+            pdm.load_state_dict(load_pdm(out, target, list(pdm.config.stage_layers)).float().state_dict())
+        layout = pdm_layout(pdm, cfg.layout)
+        for k, projection in enumerate(pdm.projections):  # a type no depth reaches is never trained
+            projection.requires_grad_(k in layout.block_types)
+        trained = [p for p in pdm.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                      fused=True)  # one kernel per step: the update is not free at 10M+ params
+        if state is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
+        run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state["step"] if state else 0)
+        log.info("training %s: n=%d split=%s anchors=%s N_s=%d layout %s types %s; %d train / %d eval "
+                 "sequences, %d micro-batches per epoch, %d steps", cfg.model, pdm.config.n_stages,
+                 list(pdm.config.stage_layers), pdm.anchors, cfg.pdm_layers, layout.block_depths,
+                 layout.block_types, len(run.train_idx), len(run.eval_idx), run.per_epoch, run.total)
+        return run
+
+    def __init__(self, cfg, session, target, pdm, layout, optimizer, tokens, loader, step: int):
         self.cfg, self.session, self.target, self.pdm, self.layout = cfg, session, target, pdm, layout
-        self.forward, self.loader, self.head, self.index = forward, loader, head, index
+        self.optimizer, self.tokens, self.loader, self.step = optimizer, tokens, loader, step
+        self.out = Path(cfg.out)
+        self.forward = session.wrap(DraftForward(pdm, layout, target))
+        self.head, self.index = teacher_head(target, pdm), vocab_index(pdm, target.vocab_size)
         self.autocast = dict(device_type=session.device.type, dtype=torch.bfloat16,
                              enabled=cfg.precision == "bf16")
         self.mask_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        self.train_idx, self.eval_idx = split_eval(len(tokens), cfg.eval_fraction, cfg.seed)
+        self.eval_batches = _eval_batches(self.eval_idx, tokens, cfg)
+        self._plans: dict[int, list[list[int]]] = {}
+        self.per_epoch = len(self.plan(0))
+        self.micro_per_step = cfg.grad_accum * session.world
+        self.total = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * self.per_epoch / self.micro_per_step))
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        """The epoch's batches (sequence indices), fixed by (seed, epoch)."""
+        if epoch not in self._plans:
+            self._plans = {epoch: plan_batches(self.train_idx, self.tokens.lengths, self.cfg.batch_tokens,
+                                               seed=self.cfg.seed * 100003 + epoch)}
+        return self._plans[epoch]
+
+    def train_step(self) -> tuple[float, DistillStats, int]:
+        """One optimizer step on this process's micro-batches -> (lr, stats, tokens)."""
+        lr = lr_at(self.step, self.cfg, self.total)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        world, rank = self.session.world, self.session.rank
+        micro = [self.step * self.micro_per_step + k * world + rank for k in range(self.cfg.grad_accum)]
+        batches = [self.plan(g // self.per_epoch)[g % self.per_epoch] for g in micro]
+        stats, n_tokens = self._accumulate(batches, micro)
+        self.step += 1
+        return lr, stats, n_tokens
+
+    def checkpoint(self, summary: TrainSummary) -> None:
+        """PDM checkpoint (weights + config with provenance) and optimizer state, rank 0 only."""
+        if self.session.rank != 0:
+            return
+        cfg = self.cfg
+        extra = {"training": {"step": self.step, "total_steps": self.total, "tokens": summary.tokens,
+                              "data": list(cfg.data), "layout": list(self.layout.block_depths),
+                              "train_loss": summary.train_loss, "train_agreement": summary.train_agreement,
+                              "eval": summary.eval, "model": cfg.model}}
+        self.pdm.config = replace(self.pdm.config, extra=extra)
+        tmp = self.out / ".checkpoint.tmp"
+        save_pdm(self.pdm, tmp)
+        for name in (CONFIG, WEIGHTS):
+            os.replace(tmp / name, self.out / name)
+        tmp.rmdir()
+        save_state(self.out, {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(cfg)})
 
     def loss(self, batch, fills):
         S = batch.features.shape[1]
@@ -298,7 +345,7 @@ class _Run:
         teacher = teacher_logits(self.target, self.head, batch.last)
         return distill(student, teacher, batch.argmax, self.index, self.pdm.draft_ids, self.cfg.temperature)
 
-    def step(self, batch_indices, micro_ids, optimizer) -> tuple[DistillStats, int]:
+    def _accumulate(self, batch_indices, micro_ids) -> tuple[DistillStats, int]:
         self.pdm.train()
         stats, n_tokens = DistillStats(), 0
         for k, (indices, g) in enumerate(zip(batch_indices, micro_ids)):
@@ -317,18 +364,18 @@ class _Run:
                 p.grad.mul_(scale)
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.pdm.parameters(), self.cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return stats, n_tokens
 
     @torch.no_grad()
-    def evaluate(self, batches) -> dict:
+    def evaluate(self) -> dict:
         """Loss and agreement on held-out batches, with full pipelines and with partial fills."""
         self.pdm.eval()
         n = self.layout.n_stages
         full, partial = DistillStats(), DistillStats()
         gen = torch.Generator().manual_seed(self.cfg.seed + 7)
-        for indices in batches:
+        for indices in self.eval_batches:
             batch = self.loader(indices)
             full.add(self.loss(batch, None)[1])
             if n > 1:
@@ -351,22 +398,6 @@ def _eval_batches(eval_idx, tokens, cfg) -> list[list[int]]:
         batches.append(batch)
         count += int(sum(tokens.lengths[i] for i in batch))
     return batches
-
-
-def _checkpoint(out: Path, pdm, optimizer, step, cfg, layout, summary, session) -> None:
-    if session.rank != 0:
-        return
-    extra = {"training": {"step": step, "total_steps": summary.total_steps, "tokens": summary.tokens,
-                          "data": list(cfg.data), "layout": list(layout.block_depths),
-                          "train_loss": summary.train_loss, "train_agreement": summary.train_agreement,
-                          "eval": summary.eval, "model": cfg.model}}
-    pdm.config = replace(pdm.config, extra=extra)
-    tmp = out / ".checkpoint.tmp"
-    save_pdm(pdm, tmp)
-    for name in (CONFIG, "pdm.safetensors"):
-        os.replace(tmp / name, out / name)
-    tmp.rmdir()
-    save_state(out, {"step": step, "optimizer": optimizer.state_dict(), "config": asdict(cfg)})
 
 
 def _format_eval(ev: dict) -> str:
