@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from spd.baselines.ar import ar_generate
-from spd.bench.acceptance import replay
+from spd.bench.acceptance import replay, sequence_snapshots
 from spd.checkpoint import load_pdm
 from spd.drafters import PDMDrafter
 from spd.engine import generate
@@ -122,27 +122,33 @@ def main() -> None:
     rows_path = args.out / "per_prompt.jsonl"
     rows = read_jsonl(rows_path)
     done = {(r["pdm"], r["dataset"], r["index"]) for r in rows}
+    pdms = [(Path(folder).name, load_pdm(folder, target)) for folder in args.pdm]
+    anchors = sorted({a for _, pdm in pdms for a in pdm.anchors})
     with rows_path.open("a") as out:
-        for folder in args.pdm:
-            pdm = load_pdm(folder, target)
-            name, n = Path(folder).name, pdm.config.n_stages
-            stages = split_layers(target.num_layers, n, list(pdm.config.stage_layers))
-            for i, (dataset, index, _) in enumerate(tqdm(prompts, desc=name)):
-                if (name, dataset, index) in done:
-                    continue
-                cont, check = conts[(dataset, index)], {}
-                if index < args.engine_check:  # the real engine against plain AR decoding
-                    ar, _ = ar_generate(target, ids[i], max_new_tokens=args.max_new_tokens)
+        for i, (dataset, index, _) in enumerate(tqdm(prompts, desc="replay")):
+            todo = [(name, pdm) for name, pdm in pdms if (name, dataset, index) not in done]
+            if not todo:
+                continue
+            cont = conts[(dataset, index)]
+            checks = {}
+            if index < args.engine_check:  # the real engine against plain AR decoding
+                ar, _ = ar_generate(target, ids[i], max_new_tokens=args.max_new_tokens)
+                for name, pdm in todo:
+                    stages = split_layers(target.num_layers, pdm.config.n_stages, list(pdm.config.stage_layers))
                     real = generate(target, PDMDrafter(pdm), ids[i], stages, max_new_tokens=args.max_new_tokens)
-                    check = {"engine_match": real.tokens == ar, "batched_ar_match": ar == cont,
-                             "engine_tokens_per_second": real.stats.decode_tokens_per_second}
-                    cont = ar
-                s = replay(target, PDMDrafter(pdm), ids[i], cont, n)
+                    checks[name] = ({"engine_match": real.tokens == ar, "batched_ar_match": ar == cont,
+                                     "engine_tokens_per_second": real.stats.decode_tokens_per_second}, real.stats)
+                cont = ar
+            snapshots = sequence_snapshots(target, ids[i] + cont, anchors)  # one forward for every PDM
+            for name, pdm in todo:
+                n = pdm.config.n_stages
+                s = replay(target, PDMDrafter(pdm), ids[i], cont, n, snapshots)
                 row = {"pdm": name, "n_stages": n, "dataset": dataset, "index": index,
                        "new_tokens": s.new_tokens, "cycles": s.cycles, "accepted": s.accepted,
-                       "rejected": s.rejected, **check}
-                if check:
-                    row["counts_match"] = (real.stats.cycles, real.stats.accepted) == (s.cycles, s.accepted)
+                       "rejected": s.rejected}
+                if name in checks:
+                    check, real_stats = checks[name]
+                    row.update(check, counts_match=(real_stats.cycles, real_stats.accepted) == (s.cycles, s.accepted))
                 rows.append(row)
                 out.write(json.dumps(row) + "\n")
                 out.flush()

@@ -25,16 +25,27 @@ from ..target import Target
 
 
 @torch.inference_mode()
+def sequence_snapshots(target: Target, sequence: list[int], anchors) -> dict:
+    """{anchor: (S, H)} hidden states of the whole sequence from one forward of the target."""
+    _, snapshots = target.prefill(torch.tensor(sequence, device=target.device),
+                                  KVCache(range(target.num_layers)), set(anchors))
+    return snapshots
+
+
+@torch.inference_mode()
 def replay(target: Target, drafter: PDMDrafter, prompt_ids: list[int], continuation: list[int],
-           n_stages: int) -> SPDStats:
-    """SPD statistics (cycles, accepted, rejected) for greedy decoding of `continuation`."""
+           n_stages: int, snapshots: dict | None = None) -> SPDStats:
+    """SPD statistics (cycles, accepted, rejected) for greedy decoding of `continuation`.
+
+    `snapshots` (from `sequence_snapshots` over prompt + continuation, covering the drafter's
+    anchors) lets several drafters share one forward."""
     device, prompt_len = target.device, len(prompt_ids)
     sequence = list(prompt_ids) + list(continuation)
     column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
     features = torch.zeros(len(sequence) + 1, len(column), target.hidden_size, device=device,
                            dtype=target.dtype)
-    _, snapshots = target.prefill(torch.tensor(sequence, device=device), KVCache(range(target.num_layers)),
-                                  set(drafter.anchors))
+    if snapshots is None:
+        snapshots = sequence_snapshots(target, sequence, drafter.anchors)
     store_snapshots(features, slice(0, len(sequence)), snapshots, column)
 
     stats = SPDStats(n_stages, prompt_tokens=prompt_len, new_tokens=1, stage_seconds=[0.0] * n_stages)
