@@ -42,12 +42,13 @@ def agreement_by_fill(target, pdm, seq):
     layout, n = pdm_layout(pdm), pdm.config.n_stages
     snaps, last = target_pass(target, torch.tensor([seq]), pdm.anchors)
     features = torch.stack([snaps[a] for a in pdm.anchors], dim=2)
-    want = target.logits(last[0]).argmax(-1)[:-1]
+    rows = slice(len(PROMPT) - 1, len(seq) - 1)  # the rows that predict generated tokens
+    want = target.logits(last[0]).argmax(-1)[rows]
     out = {}
     with torch.no_grad():
         for f in range(1, n + 1):
             mask = structural_mask(layout, len(seq), torch.full((len(seq),), f))
-            got = pdm.draft_ids[DraftForward(pdm, layout, target)(features, mask).argmax(-1)][:-1]
+            got = pdm.draft_ids[DraftForward(pdm, layout, target)(features, mask).argmax(-1)][rows]
             out[f] = float((got == want).float().mean())
     return out
 
@@ -55,14 +56,18 @@ def agreement_by_fill(target, pdm, seq):
 @pytest.mark.parametrize("n,split,vocab", [(2, None, False), (3, (1, 2, 1), True)])
 def test_overfit_one_sequence_then_the_engine_accepts_its_drafts(tmp_path, n, split, vocab):
     target = tiny_target(num_layers=4)
+    with torch.no_grad():  # sharper still: a random target's near-ties would make top-1 a coin flip
+        target.lm_head.weight.mul_(4.0)
     seq = greedy_sequence(target)
     draft_vocab = None
     if vocab:  # the sequence's tokens plus some others: 40 of the 64 ids
         counts = count_tokens([(seq, [1] * len(seq))], target.vocab_size) + 1
         draft_vocab = str(save_vocab(tmp_path / "vocab.json", top_ids(counts, 40), counts))
-    cfg = TrainConfig(model="tiny", data=(str(write_ids(tmp_path / "one.jsonl", [seq])),), out=str(tmp_path / "pdm"),
-                      stages=n, split=split, draft_vocab=draft_vocab, max_steps=300, lr=3e-3, eval_fraction=0,
-                      batch_tokens=128, progress=False, log_every=50)
+    data = tmp_path / "one.jsonl"  # the generated tokens are scored (the prompt is never drafted)
+    data.write_text(json.dumps({"input_ids": seq, "loss_mask": [t >= len(PROMPT) for t in range(len(seq))]}))
+    cfg = TrainConfig(model="tiny", data=(str(data),), out=str(tmp_path / "pdm"), stages=n, split=split,
+                      draft_vocab=draft_vocab, max_steps=300, lr=3e-3, eval_fraction=0, batch_tokens=128,
+                      progress=False, log_every=50)
     summary = train(cfg, target=target)
     assert summary.step == 300 and summary.train_agreement >= 0.95
     pdm = load_pdm(tmp_path / "pdm", target)

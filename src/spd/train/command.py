@@ -30,6 +30,7 @@ def train(
     anchors: Optional[str] = typer.Option(None, help="'auto' (default: the spec's rule) or hidden-state indices, e.g. 0,8,23,30."),
     draft_vocab: Optional[str] = typer.Option(None, help="Draft vocabulary file from `spd vocab` (default: full vocabulary)."),
     init_from: Optional[str] = typer.Option(None, help="Body init: 'last' target layers (default), 'none' (random), or indices."),
+    proj_init: Optional[str] = typer.Option(None, help="Projection init: scaled (default: to the data's anchor scales) | random."),
     layout: Optional[str] = typer.Option(None, help="auto (default: exact for the PDM's N_s) | types | depths."),
     max_steps: Optional[int] = typer.Option(None, help="Optimizer steps (default: --epochs)."),
     epochs: Optional[float] = typer.Option(None, help="Passes over the data (default 1 when --max-steps is not given)."),
@@ -77,7 +78,7 @@ def train(
     try:
         given = dict(
             model=model, data=tuple(data) if data else None, stages=stages, split=_ints(split, "--split"),
-            pdm_layers=pdm_layers, draft_vocab=draft_vocab, init_from=init_from, layout=layout,
+            pdm_layers=pdm_layers, draft_vocab=draft_vocab, init_from=init_from, proj_init=proj_init, layout=layout,
             max_steps=max_steps, epochs=epochs, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
             grad_accum=grad_accum, max_len=max_len, pack=pack, partial_fill=partial_fill,
             temperature=temperature, grad_clip=grad_clip, weight_decay=weight_decay, precision=precision,

@@ -28,7 +28,8 @@ from ..target import split_layers
 from .data import open_token_store, plan_batches, split_eval
 from .features import BatchLoader, FeatureStore
 from .layout import pdm_layout, sample_fills, structural_mask
-from .objective import DistillStats, DraftForward, distill, teacher_head, teacher_logits, vocab_index
+from .objective import (DistillStats, DraftForward, distill, scale_projections, teacher_head, teacher_logits,
+                        vocab_index)
 from .session import STATE, Session, StopSignal, load_state, save_state
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class TrainConfig:
     anchors: tuple[int, ...] | None = None  # None: the spec's default for the split
     draft_vocab: str | None = None        # file from `spd vocab`
     init_from: str = "last"               # body init: "last" target layers, "none", or "12,13"
+    proj_init: str = "scaled"             # scaled (to the data's anchor scales) | random
     layout: str = "auto"                  # auto | types | depths (see layout.py)
     partial_fill: float = 0.5             # share of cycles trained as partial pipelines
     temperature: float = 1.0              # distillation temperature
@@ -171,6 +173,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--partial-fill must be in [0, 1], got {cfg.partial_fill}")
     if cfg.precision not in ("fp32", "bf16"):
         raise ValueError(f"--precision must be fp32 or bf16, got {cfg.precision!r}")
+    if cfg.proj_init not in ("scaled", "random"):
+        raise ValueError(f"--proj-init must be scaled or random, got {cfg.proj_init!r}")
     if cfg.regenerate not in (None, "greedy", "sample"):
         raise ValueError(f"--regenerate must be greedy or sample, got {cfg.regenerate!r}")
     if cfg.grad_accum < 1 or cfg.temperature <= 0:
@@ -279,6 +283,10 @@ class _Run:
             optimizer.load_state_dict(state["optimizer"])
         tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
         run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state["step"] if state else 0)
+        if state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
+            batch = loader(run.plan(0)[0])
+            rms = float(batch.last.float().pow(2).mean().sqrt()) if cfg.init_from != "none" else 1.0
+            scale_projections(pdm, batch.features[batch.score], rms, cfg.seed)
         log.info("training %s: n=%d split=%s anchors=%s N_s=%d layout %s types %s; %d train / %d eval "
                  "sequences, %d micro-batches per epoch, %d steps", cfg.model, pdm.config.n_stages,
                  list(pdm.config.stage_layers), pdm.anchors, cfg.pdm_layers, layout.block_depths,

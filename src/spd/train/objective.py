@@ -79,6 +79,24 @@ class StackedKV:
         return keys, values
 
 
+@torch.no_grad()
+def scale_projections(pdm: PDM, features: torch.Tensor, rms: float, seed: int = 0) -> None:
+    """Re-initialise the projections for the scale of the data: every anchor contributes alike
+    and every row comes out with RMS `rms` (features: (N, m, H) real rows of a batch).
+
+    Anchor features differ in scale by orders of magnitude (SmolLM2: embedding RMS ~0.1, h_L ~45);
+    with a scale-blind init the g_0 row (the embedding's projection) is lost next to the body
+    layer's output in the residual stream, and Adam takes thousands of steps to grow it.
+    """
+    N, m, hidden = features.shape
+    anchor_rms = features.float().pow(2).mean(dim=(0, 2)).sqrt().clamp(min=1e-6)   # (m,)
+    gen = torch.Generator().manual_seed(seed)
+    for k, proj in enumerate(pdm.projections):
+        weight = torch.randn(hidden, (k + 1) * hidden, generator=gen) / ((k + 1) * hidden) ** 0.5
+        weight = weight.view(hidden, k + 1, hidden) / anchor_rms[: k + 1, None].cpu()
+        proj.weight.copy_(weight.reshape(hidden, -1) * rms)
+
+
 def teacher_head(target: Target, pdm: PDM) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target lm_head's rows for the draft vocabulary: (V_d, H) weight and bias or None."""
     weight, bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
