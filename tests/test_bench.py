@@ -151,11 +151,16 @@ def test_cost_model_and_method_names():
 
 
 def test_measured_draft_fractions_are_sane():
-    target = Target.from_hf(tiny_model("llama", num_layers=6))
-    t = costs.target_forward_seconds(target, context=16, reps=5)
-    assert t > 0
+    """A 1-layer head costs less than the 6-layer target it drafts for, measured interleaved."""
     from spd.baselines.eagle import EagleHead
-    assert costs.eagle_draft_seconds(target, EagleHead.create(target).eval(), 16, reps=5) > 0
+    from spd.baselines.ppsd import PPSDDrafter, PPSDHead
+
+    target = Target.from_hf(tiny_model("llama", num_layers=6, vocab=512))
+    steps = [costs.eagle_draft_step(target, EagleHead.create(target).eval(), 16),
+             costs.pipeline_draft_step(target, PPSDDrafter(PPSDHead.create(target, [2, 2, 2]).eval()), 3, 16)]
+    for step in steps:
+        fraction, draft_s, target_s = costs.draft_fraction(target, step, 16, reps=9)
+        assert 0 < draft_s < target_s and fraction == pytest.approx(draft_s / target_s)
 
 
 def test_cli_bench_run_and_report(tmp_path, model_dir):

@@ -9,10 +9,11 @@ Unit: one full forward of the target for one new token (all L layers + lm_head) 
 | PPSD (n stages) | one cycle; the early-exit head runs after stage 1 (serial) | 1/n + c_draft |
 | EAGLE-style (k) | one round: k draft forwards, then one target forward over k+1 tokens | 1 + k * c_draft |
 
-c_draft is a draft forward's measured fraction of a target forward (`measure_fraction`: the
+c_draft is a draft forward's measured fraction of a target forward (`draft_fraction`: the
 median time of one steady-state draft call over the median time of one single-token target
-forward, same machine, same context length). A target forward over k+1 positions counts as 1
-(memory-bound decoding); on a CPU it is slower, which the wall-clock numbers show.
+forward, the two called in turn, same machine, same context length). A target forward over
+k+1 positions counts as 1 (memory-bound decoding); on a CPU it is slower, which the
+wall-clock numbers show.
 
 theoretical speedup = decode tokens / decode cost, decode tokens = new tokens - 1 (the prefill
 gives the first token for every method), so AR is exactly 1.
@@ -56,52 +57,61 @@ def decode_cost(record: dict, draft_fraction: float) -> float:
     raise ValueError(f"unknown method kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-def median_seconds(fn, reps: int = 15, warmup: int = 3) -> float:
+def interleaved_medians(fns, reps: int = 15, warmup: int = 3) -> list[float]:
+    """Median seconds of each function, called in turn (round robin) so that a change of load
+    on the machine hits all of them alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, out in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def median_seconds(fn, reps: int = 15, warmup: int = 3) -> float:
+    return interleaved_medians([fn], reps, warmup)[0]
 
 
 @torch.inference_mode()
-def target_forward_seconds(target: Target, context: int, reps: int = 15) -> float:
-    """One new token through every layer and the lm_head, after `context` cached positions."""
+def target_step(target: Target, context: int):
+    """A callable running one new token through every layer and the lm_head after `context`
+    cached positions (the cache is cropped back after each call)."""
     device = target.device
     cache = KVCache(range(target.num_layers))
     target.prefill(torch.zeros(context, dtype=torch.long, device=device), cache)
     token, position = torch.zeros(1, dtype=torch.long, device=device), torch.tensor([context], device=device)
 
+    @torch.inference_mode()
     def step():
         hidden, _ = target.run_layers(target.embed(token), position, range(target.num_layers), cache)
         int(target.logits(hidden[0, -1]).argmax())
         cache.crop(context)
-
-    return median_seconds(step, reps)
+    return step
 
 
 @torch.inference_mode()
-def pipeline_draft_seconds(target: Target, drafter, n: int, context: int, reps: int = 15) -> float:
-    """One steady-state draft call of an engine drafter (SPD's PDM or PPSD's head): a full
-    pipeline of n in flight after `context` finished positions, features random."""
+def pipeline_draft_step(target: Target, drafter, n: int, context: int):
+    """A callable making one steady-state draft call of an engine drafter (SPD's PDM or PPSD's
+    head): a full pipeline of n in flight after `context` finished positions, random features."""
     gen = torch.Generator().manual_seed(0)
     columns = max(1, len(drafter.anchors))
     features = torch.randn(context + n + 1, columns, target.hidden_size, generator=gen).to(
         device=target.device, dtype=target.dtype)
-    tokens = [0] * (context + n)
-    state = DraftState(tokens, context, n, features, stepped=drafter.after_stages)
+    state = DraftState([0] * (context + n), context, n, features, stepped=drafter.after_stages)
     params, sample_gen = SamplingParams(), torch.Generator(device=target.device)
     drafter.begin(context)
     drafter.draft(state, params, sample_gen)  # fills the drafter's cache with the finished rows
-    return median_seconds(lambda: drafter.draft(state, params, sample_gen), reps)
+    return lambda: drafter.draft(state, params, sample_gen)
 
 
 @torch.inference_mode()
-def eagle_draft_seconds(target: Target, head, context: int, reps: int = 15) -> float:
-    """One chain step of the EAGLE-style head (one row on its cache of `context` rows + lm_head)."""
+def eagle_draft_step(target: Target, head, context: int):
+    """A callable making one chain step of the EAGLE-style head (one row on its cache of
+    `context` rows, then its lm_head)."""
     device = target.device
     cache = KVCache([0])
     feature = torch.randn(1, context, target.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -111,11 +121,21 @@ def eagle_draft_seconds(target: Target, head, context: int, reps: int = 15) -> f
     out = head(ids, feature, positions, attention_mask(positions, context, feature.dtype), cache)
     one, position = ids[:, :1], torch.tensor([context], device=device)
 
+    @torch.inference_mode()
     def step():
         int(head.logits(head(one, out[:, -1:], position, None, cache)[0, -1]).argmax())
         cache.crop(context)
+    return step
 
-    return median_seconds(step, reps)
+
+def target_forward_seconds(target: Target, context: int, reps: int = 15) -> float:
+    return median_seconds(target_step(target, context), reps)
+
+
+def draft_fraction(target: Target, draft_step, context: int, reps: int = 21) -> tuple[float, float, float]:
+    """(c_draft, draft seconds, target seconds): medians of interleaved draft and target steps."""
+    draft_s, target_s = interleaved_medians([draft_step, target_step(target, context)], reps)
+    return measure_fraction(draft_s, target_s), draft_s, target_s
 
 
 def measure_fraction(draft_seconds: float, target_seconds: float) -> float:

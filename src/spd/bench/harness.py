@@ -148,7 +148,7 @@ def open_run(out: Path, cfg: BenchConfig) -> dict:
     path = out / RUN
     settings = {name: getattr(cfg, name) for name in cfg.FIXED}
     if not path.is_file():
-        return {"settings": settings, "methods": {}, "target_forward_seconds": None}
+        return {"settings": settings, "methods": {}}
     run = json.loads(path.read_text())
     for name, value in settings.items():
         if run["settings"].get(name) != value:
@@ -240,10 +240,9 @@ def _record(spec: MethodSpec, prompt: Prompt, temperature: float, ids, fields: d
 
 
 def _measure_costs(run: dict, runners: dict, target, context: int, out: Path) -> None:
-    """Draft-forward fractions of a target forward, measured once per OUT (kept for resumes)."""
-    if run.get("target_forward_seconds") is None:
-        run["target_forward_seconds"] = costs.target_forward_seconds(target, context)
-        run["cost_context"] = context
+    """Draft-forward fractions of a target forward, measured once per OUT (kept for resumes);
+    draft and target steps alternate, so a change of load hits both alike."""
+    run.setdefault("cost_context", context)
     for name, runner in runners.items():
         info = runner.info()
         known = run["methods"].get(name)
@@ -252,12 +251,15 @@ def _measure_costs(run: dict, runners: dict, target, context: int, out: Path) ->
                 raise ValueError(f"{out} ran {name} with checkpoint {known['checkpoint']}, now "
                                  f"{info['checkpoint']}; use another --out for another checkpoint")
             continue
-        seconds = runner.draft_seconds(run["cost_context"])
-        info.update(draft_seconds=seconds,
-                    draft_fraction=costs.measure_fraction(seconds, run["target_forward_seconds"]))
+        step = runner.draft_step(run["cost_context"])
+        if step is None:
+            info.update(draft_fraction=0.0, draft_seconds=0.0, target_seconds=None)
+        else:
+            fraction, draft_s, target_s = costs.draft_fraction(target, step, run["cost_context"])
+            info.update(draft_fraction=fraction, draft_seconds=draft_s, target_seconds=target_s)
+            log.info("%s: draft forward %.2f ms = %.3f of a target forward (%.2f ms)", name, 1e3 * draft_s,
+                     fraction, 1e3 * target_s)
         run["methods"][name] = info
-        log.info("%s: draft forward %.2f ms = %.3f of a target forward", name, 1e3 * seconds,
-                 info["draft_fraction"])
     write_json(out / RUN, run)
 
 

@@ -85,9 +85,9 @@ class Runner:
     def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, eos) -> dict:
         return self._decode(prompt_ids, params, max_new_tokens, eos)
 
-    def draft_seconds(self, context: int) -> float:
-        """Median seconds of one steady-state draft forward (0 for AR)."""
-        return self._probe(context) if self._probe is not None else 0.0
+    def draft_step(self, context: int):
+        """A callable making one steady-state draft forward, or None (AR drafts nothing)."""
+        return self._probe(context) if self._probe is not None else None
 
     def info(self) -> dict:
         return {"kind": self.spec.kind, "n": self.spec.n, "k": self.spec.k,
@@ -136,7 +136,7 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
                     "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
                     "draft_seconds": s.draft_seconds}
         return Runner(spec, target, eagle, eagle is None, decode,
-                      lambda context: costs.eagle_draft_seconds(target, head, context))
+                      lambda context: costs.eagle_draft_step(target, head, context))
 
     n = spec.n
     if spec.kind == "spd":
@@ -164,7 +164,7 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
     def decode(prompt, params, max_new, eos):
         return _pipeline_record(generate(target, make(), prompt, stages, params, max_new, eos))
     return Runner(spec, target, path, path is None, decode,
-                  lambda context: costs.pipeline_draft_seconds(target, make(), n, context))
+                  lambda context: costs.pipeline_draft_step(target, make(), n, context))
 
 
 @torch.inference_mode()
