@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from spd.target import Target
@@ -42,3 +43,18 @@ def tiny_target(family="llama", **kw) -> Target:
 @pytest.fixture(scope="session")
 def llama_model():
     return tiny_model("llama")
+
+
+def chi_square_p(counts: dict, table: dict, total: int):
+    """Chi-square p-value of sampled sequence counts against exact probabilities `table`
+    (cells expected < 5 pooled), and how many samples fell on probability-0 sequences."""
+    observed, expected = [], []
+    for seq, p in table.items():
+        if p * total < 5:  # pool rare cells so the chi-square approximation holds
+            continue
+        observed.append(counts.get(seq, 0))
+        expected.append(p * total)
+    observed.append(total - sum(observed))
+    expected.append(total - sum(expected))
+    impossible = sum(c for seq, c in counts.items() if table[seq] == 0)
+    return chisquare(observed, expected).pvalue, impossible

@@ -8,11 +8,10 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import spd.baselines.eagle as eagle
 import spd.engine
-from conftest import tiny_model
+from conftest import chi_square_p, tiny_model
 from spd.baselines.eagle import EagleHead, eagle_generate
 from spd.baselines.ppsd import PPSDDrafter, PPSDHead
 from spd.engine import generate
@@ -45,19 +44,6 @@ def exact_distribution(model, params, length):
             p *= float(probs(logits[row, len(PROMPT) - 1 + i], params)[token])
         table[seq] = p
     return table
-
-
-def chi_square_p(counts, table, total):
-    observed, expected = [], []
-    for seq, p in table.items():
-        if p * total < 5:  # pool rare cells so the chi-square approximation holds
-            continue
-        observed.append(counts.get(seq, 0))
-        expected.append(p * total)
-    observed.append(total - sum(observed))
-    expected.append(total - sum(expected))
-    impossible = sum(c for seq, c in counts.items() if table[seq] == 0)
-    return chisquare(observed, expected).pvalue, impossible
 
 
 def draw(run, count):

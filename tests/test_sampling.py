@@ -8,10 +8,9 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import spd.engine
-from conftest import tiny_model
+from conftest import chi_square_p, tiny_model
 from spd.drafters import PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
@@ -55,19 +54,6 @@ def draw(target, pdm, params, count):
                        SamplingParams(**PARAMS, seed=i), max_new_tokens=LENGTH, eos_token_ids=()).tokens
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     return counts
-
-
-def chi_square_p(counts, table, total):
-    observed, expected = [], []
-    for seq, p in table.items():
-        if p * total < 5:  # pool rare cells so the chi-square approximation holds
-            continue
-        observed.append(counts.get(seq, 0))
-        expected.append(p * total)
-    observed.append(total - sum(observed))
-    expected.append(total - sum(expected))
-    impossible = sum(c for seq, c in counts.items() if table[seq] == 0)
-    return chisquare(observed, expected).pvalue, impossible
 
 
 def test_spd_sampling_matches_target_distribution(setup):
