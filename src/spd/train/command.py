@@ -61,6 +61,8 @@ def train(
     seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
+    method: str = typer.Option("pdm", help="pdm (SPD), or a baseline head: eagle (EAGLE-style) or ppsd."),
+    ttt_steps: int = typer.Option(2, min=1, help="eagle: unrolled chain steps per position in training."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Train a Pipeline Draft Module for a target and a stage split (SPEC section 4).
@@ -89,7 +91,15 @@ def train(
         given = {k: v for k, v in given.items() if v is not None}
         if anchors is not None:
             given["anchors"] = None if anchors == "auto" else _ints(anchors, "--anchors")
-        summary = run_train(make_config(out, resume, progress=progress, **given))
+        if method not in ("pdm", "eagle", "ppsd"):
+            raise ValueError(f"--method must be pdm, eagle or ppsd; got {method!r}")
+        config = make_config(out, resume, progress=progress, **given)
+        if method == "pdm":
+            summary = run_train(config)
+        else:  # the baselines' heads: same data, feature cache, schedule and loss
+            from ..baselines.train_heads import train_head
+
+            summary = train_head(config, method, ttt_steps=ttt_steps)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
         _fail(str(err))
     if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary
