@@ -58,7 +58,8 @@ def resolve_split(num_layers: int, stages: int | None, split: list[int] | None,
                   pdm_path: str | None) -> list[range]:
     """Stage split from --stages/--split, defaulting to the PDM checkpoint's own split."""
     if pdm_path is not None and stages is None and split is None:
-        return split_layers(num_layers, read_config(pdm_path).n_stages, list(read_config(pdm_path).stage_layers))
+        trained = read_config(pdm_path).stage_layers
+        return split_layers(num_layers, len(trained), list(trained))
     if split is not None and stages is not None and len(split) != stages:
         raise ValueError(f"--split has {len(split)} counts but --stages is {stages}")
     n = len(split) if split is not None else (stages or 2)
