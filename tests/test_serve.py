@@ -29,7 +29,6 @@ from spd.cli import app
 from spd.loading import build_decoder, encode_prompt
 from spd.pdm import PDM
 from spd.sampling import SamplingParams
-from spd.serve.backend import BackendUnavailable, open_backend
 from spd.target import Target
 
 MODEL = "tiny"
@@ -66,12 +65,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, queue_size: int):
+def start_server(model_dir, queue_size: int, *extra: str):
     port = free_port()
     log = open(model_dir / f"server-{port}.log", "w")
     cmd = [sys.executable, "-m", "spd.cli", "serve", "--model", str(model_dir / "model"),
            "--pdm", str(model_dir / "pdm"), "--stages", "2", "--served-model-name", MODEL,
-           "--host", "127.0.0.1", "--port", str(port), "--queue-size", str(queue_size), "--threads", "1"]
+           "--host", "127.0.0.1", "--port", str(port), "--queue-size", str(queue_size), "--threads", "1", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}", log
@@ -317,9 +316,3 @@ def test_fifty_concurrent_requests_all_answered_correctly(url, decoder):
     answers = asyncio.run(ask_all())
     assert answers == [expected(decoder, ids, 6).tokens for ids in prompts]
     assert health(url)["finished"] - before == 50
-
-
-def test_distributed_backend_says_it_is_not_available_yet(model_dir):
-    with pytest.raises(BackendUnavailable, match="not available yet"):
-        open_backend(str(model_dir / "model"), distributed=True)
-

@@ -296,6 +296,11 @@ class Controller:
         self.link.flush()
         return [times[k] for k in range(self.layout.n_stages)]
 
+    def ping(self) -> None:
+        """Between sequences: show the stages rank 0 is alive, so none gives up waiting."""
+        self.link.broadcast(Command(Op.PING))
+        self.link.flush()
+
     def stop(self) -> None:
         self.link.broadcast(Command(Op.STOP))
         self.link.flush()

@@ -191,6 +191,16 @@ class Session:
                 on_token(token)
         return GenerationResult(tokens, stats)
 
+    def ping(self) -> None:
+        """Between sequences: reset the stages' idle deadline (a long-running server calls this
+        well within `spec.idle_timeout`); raises StageFailure when a stage is gone."""
+        if self.closed:
+            raise StageFailure("this distributed session is closed")
+        try:
+            self.controller.ping()
+        except PeerError as err:
+            raise self._failure(err) from err
+
     def close(self, failed: bool = False) -> None:
         """Stop the stages (STOP, or kill them after a failure) and leave the process group."""
         if self.closed:

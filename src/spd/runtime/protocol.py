@@ -34,6 +34,7 @@ class Op(enum.IntEnum):
     STEP = 1      # one decode cycle
     STATS = 2     # send per-cycle compute times to the control rank
     STOP = 3      # leave the stage loop
+    PING = 4      # between sequences: nothing to do (keeps an idle stage within its idle timeout)
 
 
 @dataclass(frozen=True)
@@ -105,10 +106,20 @@ class Link:
     def name(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
 
+    def _start(self, op, rank: int, what: str):
+        """Start an async op; a connection already broken fails here, before any wait."""
+        try:
+            return op()
+        except RuntimeError as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PeerError(rank, what, f"failed: {reason}") from err
+
     def send(self, tensor: torch.Tensor, rank: int, what: str) -> None:
         """Start sending; completion is checked at a later `flush` (the tensor stays referenced).
         A send completes only once the peer posted the matching receive."""
-        self.pending.append((dist.isend(tensor.contiguous(), rank), tensor, rank, what, self.cycle))
+        tensor = tensor.contiguous()
+        work = self._start(lambda: dist.isend(tensor, rank), rank, f"{what} to {self.name(rank)}")
+        self.pending.append((work, tensor, rank, what, self.cycle))
 
     def flush(self, before_cycle: bool = False) -> None:
         """Wait for the sends started so far (only those of earlier cycles with before_cycle:
@@ -122,7 +133,7 @@ class Link:
     def post(self, shape, dtype, rank: int, what: str):
         """Start receiving a tensor; `take` returns it once it arrived."""
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        return dist.irecv(buffer, rank), buffer, rank, what
+        return self._start(lambda: dist.irecv(buffer, rank), rank, f"{what} from {self.name(rank)}"), buffer, rank, what
 
     def take(self, posted) -> torch.Tensor:
         work, buffer, rank, what = posted
@@ -136,13 +147,15 @@ class Link:
         """Rank 0: send this cycle's command to every rank (completion checked at `flush`)."""
         data = command.encode(self.device)
         self.cycle += 1
-        self.pending.append((dist.broadcast(data, src=CONTROL_RANK, async_op=True), data, CONTROL_RANK,
-                             "the command broadcast", self.cycle - 1))
+        work = self._start(lambda: dist.broadcast(data, src=CONTROL_RANK, async_op=True), CONTROL_RANK,
+                           "the command broadcast")
+        self.pending.append((work, data, CONTROL_RANK, "the command broadcast", self.cycle - 1))
 
     def receive_command(self, idle: bool = True) -> Command:
         """Any other rank: the next command (waiting at most `idle_timeout` between sequences)."""
         data = torch.empty(4, dtype=torch.long, device=self.device)
-        work = dist.broadcast(data, src=CONTROL_RANK, async_op=True)
+        work = self._start(lambda: dist.broadcast(data, src=CONTROL_RANK, async_op=True), CONTROL_RANK,
+                           "the next command from the control rank")
         self._wait(work, CONTROL_RANK, "the next command from the control rank",
                    self.idle_timeout if idle else self.timeout)
         return Command.decode(data.cpu())

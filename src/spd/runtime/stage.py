@@ -137,6 +137,8 @@ def serve(worker: StageWorker, link: Link, board=None) -> None:
         if command.op == Op.STOP:
             log.debug("stage %d: stop", worker.k)
             return
+        if command.op == Op.PING:
+            continue
         if command.op == Op.STATS:
             link.send(worker.timings(), CONTROL_RANK, "the timings of stage %d" % worker.k)
         else:

@@ -57,8 +57,9 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": backend.name, "n_stages": backend.n_stages,
-                **scheduler.snapshot()}
+        state = {"status": "ok" if backend.alive else "failed", "model": backend.name,
+                 "n_stages": backend.n_stages, **scheduler.snapshot()}
+        return JSONResponse(state, status_code=200 if backend.alive else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -111,6 +112,9 @@ def describe(errors: list[dict]) -> str:
 
 
 def check_request(backend, body: SamplingFields, prompt_ids: list[int]) -> None:
+    if not backend.alive:
+        raise APIError(503, "the decoding pipeline failed (a stage process is gone; see the server "
+                            "log) and this server cannot decode any more: restart it", None, "server_error")
     if body.model is not None and body.model != backend.name:
         raise APIError(404, f"model {body.model!r} is not served here; this server serves "
                             f"{backend.name!r} (see /v1/models)", "model", "not_found_error")

@@ -1,8 +1,9 @@
 """What the server needs from a decoder, and the single-process backend over `engine.stream()`.
 
 A backend decodes one sequence at a time and knows its tokenizer and limits. It knows nothing
-about HTTP, queues or text: the worker drives it, the app talks to clients. The distributed
-runtime plugs in by offering the same `stream()`.
+about HTTP, queues or text: the worker drives it (every call from the worker thread), the app
+talks to clients. `DistributedBackend` offers the same `stream()` over a spd.runtime session and
+pings its stage processes while no request comes, so an idle server keeps its pipeline.
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ from ..sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
-class BackendUnavailable(RuntimeError):
-    """The asked-for backend cannot run in this installation (the message says why and what to do)."""
-
-
 class Backend(Protocol):
     name: str                       # the model id clients send and /v1/models lists
     tokenizer: object | None        # a transformers tokenizer, or None (token-id prompts only)
@@ -29,10 +26,18 @@ class Backend(Protocol):
     max_model_len: int              # prompt + completion tokens, at most
     eos_token_ids: tuple[int, ...]
     n_stages: int
+    keepalive_seconds: float | None  # call idle() at least this often between requests (None: never)
+    alive: bool                     # False once it cannot decode any more (a stage died)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
                eos_token_ids, stats: SPDStats) -> Generator[int, None, None]:
         """Yield verified new tokens as they are decided, filling `stats`; close() stops decoding."""
+
+    def idle(self) -> None:
+        """Nothing to decode for `keepalive_seconds`: keep whatever waits on us alive."""
+
+    def close(self) -> None:
+        """The server stops: release processes and memory."""
 
 
 @dataclass
@@ -42,6 +47,8 @@ class LocalBackend:
     decoder: Decoder
     name: str
     max_model_len: int
+    keepalive_seconds = None
+    alive = True
 
     @property
     def tokenizer(self):
@@ -64,6 +71,51 @@ class LocalBackend:
         return stream(dec.target, dec.drafter(), prompt_ids, dec.stages, params, max_new_tokens,
                       eos_token_ids, stats)
 
+    def idle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class DistributedBackend:
+    """SPD over spd.runtime: a stage process per stage (spawned here, or torchrun's), rank 0 here."""
+
+    session: object                 # spd.runtime.Session
+    tokenizer: object | None
+    name: str
+    max_model_len: int
+
+    @property
+    def keepalive_seconds(self) -> float:
+        return self.session.spec.idle_timeout / 4   # several pings per idle timeout: one late one is fine
+
+    @property
+    def alive(self) -> bool:
+        return not self.session.closed
+
+    @property
+    def vocab_size(self) -> int:
+        return self.session.target.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.session.target.eos_token_ids)
+
+    @property
+    def n_stages(self) -> int:
+        return self.session.layout.n_stages
+
+    def stream(self, prompt_ids, params, max_new_tokens, eos_token_ids, stats):
+        return self.session.stream(prompt_ids, None, params, max_new_tokens, eos_token_ids, stats)
+
+    def idle(self) -> None:
+        self.session.ping()
+
+    def close(self) -> None:
+        self.session.close()
+
 
 def model_context(config, fallback: int = 2048) -> int:
     """The target's own context length from its config."""
@@ -73,16 +125,43 @@ def model_context(config, fallback: int = 2048) -> int:
 def open_backend(model: str, pdm: str | None = None, stages: int | None = None,
                  split: list[int] | None = None, distributed: bool = False, dtype=None,
                  device: str = "cpu", max_model_len: int | None = None,
-                 served_model_name: str | None = None) -> Backend:
-    """Load the model and PDM behind a backend; `--distributed` needs spd.runtime."""
+                 served_model_name: str | None = None, **runtime_options) -> Backend | None:
+    """Load the model and PDM behind a backend.
+
+    distributed: plan and start spd.runtime (`runtime_options` go to `plan`: draft_rank, devices,
+    threads, timeout, idle_timeout, lookahead). Under torchrun only rank 0 serves HTTP: the other
+    ranks run their stage until the server stops, then this returns None for them.
+    """
     if distributed:
-        raise BackendUnavailable(
-            "--distributed is not available yet: the distributed runtime (spd.runtime) has no "
-            "serving backend in this installation. Serve without --distributed to run the "
-            "single-process engine.")
+        return _open_distributed(model, pdm, stages, split, dtype, max_model_len, served_model_name,
+                                 **runtime_options)
+    if runtime_options:
+        raise ValueError(f"{', '.join(sorted(runtime_options))} only apply with --distributed")
     kwargs = {} if dtype is None else {"dtype": dtype}
     decoder = build_decoder(model, stages, split, pdm, device=device, **kwargs)
-    context = model_context(decoder.target.config)
+    context = _context_limit(decoder.target.config, max_model_len)
+    return LocalBackend(decoder, served_model_name or model, context)
+
+
+def _open_distributed(model, pdm, stages, split, dtype, max_model_len, served_model_name,
+                      draft_rank: str = "separate", **options) -> DistributedBackend | None:
+    from ..runtime import plan, start
+    from ..runtime.commands import load_tokenizer
+    from ..runtime.weights import read_model_config
+
+    if dtype is not None:
+        options["dtype"] = str(dtype).removeprefix("torch.")
+    spec = plan(model, stages, split, draft_rank, pdm, **options)   # checks before any weights load
+    context = _context_limit(read_model_config(spec.model)[1], max_model_len)
+    tokenizer = load_tokenizer(spec.model)
+    session = start(spec)
+    if session is None:   # a torchrun rank other than 0: its stage ran until the server stopped
+        return None
+    return DistributedBackend(session, tokenizer, served_model_name or model, context)
+
+
+def _context_limit(config, max_model_len: int | None) -> int:
+    context = model_context(config)
     if max_model_len is not None:
         if max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2; got {max_model_len}")
@@ -90,4 +169,4 @@ def open_backend(model: str, pdm: str | None = None, stages: int | None = None,
             log.warning("--max-model-len %d is beyond the model's max_position_embeddings %d",
                         max_model_len, context)
         context = max_model_len
-    return LocalBackend(decoder, served_model_name or model, context)
+    return context

@@ -120,15 +120,33 @@ class Scheduler:
         return {"running": int(self.running is not None), "waiting": self._waiting.qsize(),
                 "queue_size": self.queue_size, **vars(self.counters)}
 
+    def _next_job(self) -> Job | None:
+        """The next job; while none comes, keep the backend alive every keepalive_seconds."""
+        while True:
+            wait = self.backend.keepalive_seconds if self.backend.alive else None
+            try:
+                return self._waiting.get(timeout=wait)
+            except queue.Empty:
+                try:
+                    self.backend.idle()
+                except Exception:  # noqa: BLE001 -- the backend is gone: /health says so, requests fail
+                    log.exception("keeping the backend alive failed")
+
     def _work(self) -> None:
-        while (job := self._waiting.get()) is not None:
+        try:
+            self._serve()
+        finally:
+            self.backend.close()   # from this thread, the only one that ever drove the backend
+
+    def _serve(self) -> None:
+        while (job := self._next_job()) is not None:
             if job.cancelled.is_set():
                 self.counters.cancelled += 1
                 continue
             self.running = job
             try:
                 self._decode(job)
-            except Exception as err:  # a failed decode answers its request; the server goes on
+            except Exception as err:  # noqa: BLE001 -- a failed decode answers its request; the server goes on
                 log.exception("decode failed")
                 self.counters.failed += 1
                 job.post(Output(error=f"decoding failed: {type(err).__name__}: {err}"))

@@ -1,0 +1,124 @@
+"""`spd serve --distributed`: the same OpenAI API over spd.runtime (a process per stage), on loopback.
+
+The server spawns its stage processes (gloo); answers are checked token for token against
+spd.engine.generate in this process. The stages' idle timeout is short, so the keep-alive test
+would fail (the stages exit, the next request errs) if the server did not ping idle stages.
+"""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from test_serve import (MODEL, chat, client, decoder, expected, health, model_dir, start_server,  # noqa: F401
+                        wait_for, wait_ready)
+from spd.loading import encode_prompt
+from spd.sampling import SamplingParams
+
+IDLE_TIMEOUT = 6.0   # seconds a stage waits for a command; the server pings every quarter of it
+
+
+@pytest.fixture(scope="module")
+def url(model_dir):
+    proc, url, log = start_server(model_dir, 64, "--distributed", "--idle-timeout", str(IDLE_TIMEOUT),
+                                  "--timeout", "20")
+    try:
+        wait_ready(proc, url, log, timeout=120)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_health_reports_the_distributed_pipeline(url):
+    state = health(url)
+    assert state["status"] == "ok" and state["n_stages"] == 2
+
+
+def test_greedy_chat_equals_engine_generate(url, decoder):
+    r = chat(url, "w1 w2 w3", temperature=0, max_tokens=12, extra_body={"return_token_ids": True})
+    want = expected(decoder, encode_prompt(decoder.tokenizer, "w1 w2 w3"), 12)
+    assert r.choices[0].model_extra["token_ids"] == want.tokens
+    assert r.choices[0].message.content == decoder.tokenizer.decode(want.tokens, skip_special_tokens=True)
+    spd = r.model_extra["spd"]
+    assert spd["cycles"] == want.stats.cycles and spd["accepted"] == want.stats.accepted
+
+
+def test_streaming_and_sampling_match_the_engine(url, decoder):
+    whole = chat(url, "w4 w5", temperature=0, max_tokens=15).choices[0].message.content
+    chunks = list(chat(url, "w4 w5", temperature=0, max_tokens=15, stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == whole
+    kw = dict(temperature=0.9, top_p=0.8, seed=3, max_tokens=10, extra_body={"return_token_ids": True})
+    got = chat(url, "w20", **kw).choices[0].model_extra["token_ids"]
+    params = SamplingParams(temperature=0.9, top_p=0.8, seed=3)
+    assert got == expected(decoder, encode_prompt(decoder.tokenizer, "w20"), 10, params).tokens
+
+
+def test_disconnect_mid_stream_stops_and_the_pipeline_serves_on(url, decoder):
+    before = health(url)
+    stream = chat(url, "w40", temperature=0, max_tokens=3000, stream=True)
+    for _ in zip(range(3), stream):
+        pass
+    stream.close()
+    after = wait_for(lambda s: s["running"] == 0, url)
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 3000
+    r = client(url).completions.create(model=MODEL, prompt=[3, 4, 5], temperature=0, max_tokens=8,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == expected(decoder, [3, 4, 5], 8).tokens
+
+
+def test_idle_stages_are_kept_alive(url, decoder):
+    time.sleep(2.5 * IDLE_TIMEOUT)   # no request for longer than a stage would wait unpinged
+    assert health(url)["status"] == "ok"
+    r = client(url).completions.create(model=MODEL, prompt=[7, 8], temperature=0, max_tokens=8,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == expected(decoder, [7, 8], 8).tokens
+
+
+def test_fifty_concurrent_requests_all_answered_correctly(url, decoder):
+    prompts = [[3 + i % 50, 3 + (7 * i) % 50, 3 + (i // 7)] for i in range(50)]
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def ask(ids):
+        r = await c.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=6,
+                                       extra_body={"return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    async def ask_all():
+        async with c:
+            return await asyncio.gather(*(ask(ids) for ids in prompts))
+
+    assert asyncio.run(ask_all()) == [expected(decoder, ids, 6).tokens for ids in prompts]
+
+
+def test_a_dead_stage_is_named_and_then_the_server_says_it_failed(model_dir):
+    proc, url, log = start_server(model_dir, 4, "--distributed", "--timeout", "3", "-v")
+    try:
+        wait_ready(proc, url, log, timeout=120)
+        started = re.search(r"started (.*)", open(log.name).read()).group(1)
+        pids = {int(k): int(pid) for k, pid in re.findall(r"stage (\d+) as rank \d+ \(pid (\d+)\)", started)}
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(openai.InternalServerError, match="stage 1"):
+            client(url).completions.create(model=MODEL, prompt=[3, 4], temperature=0, max_tokens=8)
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        with pytest.raises(openai.InternalServerError, match="restart it") as err:
+            client(url).completions.create(model=MODEL, prompt=[3, 4], temperature=0, max_tokens=8)
+        assert err.value.status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    assert not [p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
