@@ -100,12 +100,16 @@ def servers(model_dir):
         yield {name: url for name, (_, url, _) in started.items()}
     finally:
         for proc, _, log in started.values():
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+            stop_server(proc, log)
+
+
+def stop_server(proc, log, timeout: float = 20.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import time
 
 import httpx
@@ -18,7 +17,7 @@ import psutil
 import pytest
 
 from test_serve import (MODEL, chat, client, decoder, expected, health, model_dir, start_server,  # noqa: F401
-                        wait_for, wait_ready)
+                        stop_server, wait_for, wait_ready)
 from spd.loading import encode_prompt
 from spd.sampling import SamplingParams
 
@@ -33,12 +32,7 @@ def url(model_dir):
         wait_ready(proc, url, log, timeout=120)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log)
 
 
 def test_health_reports_the_distributed_pipeline(url):
@@ -118,7 +112,5 @@ def test_a_dead_stage_is_named_and_then_the_server_says_it_failed(model_dir):
             client(url).completions.create(model=MODEL, prompt=[3, 4], temperature=0, max_tokens=8)
         assert err.value.status_code == 503
     finally:
-        proc.terminate()
-        proc.wait(20)
-        log.close()
+        stop_server(proc, log)
     assert not [p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
