@@ -66,6 +66,12 @@ def report_indices(stage: range, anchors, num_layers: int, last: bool) -> list[i
     return sorted(a for a in wanted if stage.start < a <= stage.stop)
 
 
+def first_line(err: Exception) -> str:
+    """The first line of an error's message (gloo's run to many), or its type when it has none."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class PeerError(RuntimeError):
     """A message from or to `rank` did not complete: it timed out or the connection broke."""
 
@@ -97,7 +103,7 @@ class Link:
         try:
             work.wait(timeout=timeout)
         except RuntimeError as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            reason = first_line(err)
             kind = "timed out" if "timed out" in reason.lower() or "timeout" in reason.lower() else "failed"
             raise PeerError(rank, what, f"{kind} after {time.perf_counter() - t:.1f} s: {reason}") from err
         finally:
@@ -111,7 +117,7 @@ class Link:
         try:
             return op()
         except RuntimeError as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            reason = first_line(err)
             raise PeerError(rank, what, f"failed: {reason}") from err
 
     def send(self, tensor: torch.Tensor, rank: int, what: str) -> None:
