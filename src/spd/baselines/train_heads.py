@@ -178,7 +178,7 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
     from tqdm.auto import tqdm  # progress bar over steps (core dependency)
     bar = tqdm(total=total, desc=f"train {method}", unit="step", disable=not cfg.progress, dynamic_ncols=True)
     t0, step, window = time.perf_counter(), 0, DistillStats()
-    batches = []
+    epoch, batches = -1, []
     with StopSignal() as stop:
         while step < total and not stop.reason:
             head.train()
@@ -187,7 +187,7 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
             counted = 0
             for _ in range(cfg.grad_accum):
                 if not batches:
-                    epoch = (step * cfg.grad_accum) // max(1, per_epoch)
+                    epoch += 1  # epochs differ a little in length: count them, don't divide
                     batches = plan_batches(train_idx, tokens.lengths, cfg.batch_tokens, seed=cfg.seed * 100003 + epoch)
                 loss, stats, n_tokens = loss_of(batches.pop())
                 loss.backward()

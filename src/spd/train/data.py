@@ -21,7 +21,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -342,3 +342,14 @@ def plan_batches(indices: np.ndarray, lengths: np.ndarray, batch_tokens: int, se
     if rng is not None:
         batches = [batches[k] for k in rng.permutation(len(batches))]
     return batches
+
+
+def locate_batch(g: int, epoch_length: Callable[[int], int]) -> tuple[int, int]:
+    """(epoch, k): the run's micro-batch g is batch k of that epoch's plan, epochs one after another.
+
+    Each epoch is reshuffled before bucketing, so epochs hold slightly different numbers of
+    batches and g // len(epoch 0) is not the epoch (it ran past a shorter epoch's end)."""
+    epoch = 0
+    while g >= (length := epoch_length(epoch)):
+        g, epoch = g - length, epoch + 1
+    return epoch, g

@@ -25,7 +25,7 @@ import torch
 from ..checkpoint import CONFIG, WEIGHTS, load_pdm, save_pdm
 from ..pdm import PDM, default_anchors
 from ..target import split_layers
-from .data import open_token_store, plan_batches, split_eval
+from .data import locate_batch, open_token_store, plan_batches, split_eval
 from .features import BatchLoader, FeatureStore
 from .layout import pdm_layout, sample_fills, structural_mask
 from .objective import (DistillStats, DraftForward, distill, scale_projections, teacher_head, teacher_logits,
@@ -305,7 +305,8 @@ class _Run:
         self.train_idx, self.eval_idx = split_eval(len(tokens), cfg.eval_fraction, cfg.seed)
         self.eval_batches = _eval_batches(self.eval_idx, tokens, cfg)
         self._plans: dict[int, list[list[int]]] = {}
-        self.per_epoch = len(self.plan(0))
+        self._plan_lengths: dict[int, int] = {}
+        self.per_epoch = self.plan_length(0)
         self.micro_per_step = cfg.grad_accum * session.world
         self.total = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * self.per_epoch / self.micro_per_step))
 
@@ -316,6 +317,11 @@ class _Run:
                                                seed=self.cfg.seed * 100003 + epoch)}
         return self._plans[epoch]
 
+    def plan_length(self, epoch: int) -> int:
+        if epoch not in self._plan_lengths:
+            self._plan_lengths[epoch] = len(self.plan(epoch))
+        return self._plan_lengths[epoch]
+
     def train_step(self) -> tuple[float, DistillStats, int]:
         """One optimizer step on this process's micro-batches -> (lr, stats, tokens)."""
         lr = lr_at(self.step, self.cfg, self.total)
@@ -323,7 +329,7 @@ class _Run:
             group["lr"] = lr
         world, rank = self.session.world, self.session.rank
         micro = [self.step * self.micro_per_step + k * world + rank for k in range(self.cfg.grad_accum)]
-        batches = [self.plan(g // self.per_epoch)[g % self.per_epoch] for g in micro]
+        batches = [self.plan(epoch)[k] for epoch, k in (locate_batch(g, self.plan_length) for g in micro)]
         stats, n_tokens = self._accumulate(batches, micro)
         self.step += 1
         return lr, stats, n_tokens
