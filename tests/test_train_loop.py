@@ -104,6 +104,7 @@ def test_resume_continues_exactly(tmp_path):
     cfg, target = resume_config(tmp_path, "paused", resume=True)
     resumed = train(cfg, target=target)
     assert resumed.step == 100
+    assert resumed.tokens == straight.tokens  # the summary counts both parts of the run
     a, b = load_file(str(tmp_path / "straight/pdm.safetensors")), load_file(str(tmp_path / "paused/pdm.safetensors"))
     assert a.keys() == b.keys()
     for name in a:

@@ -211,7 +211,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> TrainSummary:
     check_config(cfg)
     session = Session.start(cfg.device)
     run = _Run.open(cfg, session, target, tokenizer)
-    summary = TrainSummary(cfg.out, run.step, run.total)
+    summary = TrainSummary(cfg.out, run.step, run.total, tokens=run.resumed.get("tokens", 0))
+    seconds_before = run.resumed.get("seconds", 0.0)  # totals count the run's earlier parts too
     end = run.total if cfg.stop_after is None else min(run.total, run.step + cfg.stop_after)
     bar = _bar(cfg.progress and session.rank == 0, run.total, run.step)
     window, t_start = DistillStats(), time.perf_counter()
@@ -221,7 +222,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> TrainSummary:
             step = run.step
             window.add(stats)
             summary.tokens += n_tokens * session.world
-            summary.seconds = time.perf_counter() - t_start
+            summary.seconds = seconds_before + time.perf_counter() - t_start
             bar.update(1)
             bar.set_postfix(loss=f"{window.loss:.3f}", agree=f"{window.agreement:.3f}",
                             tok_s=f"{summary.tokens_per_second:.0f}", lr=f"{lr:.1e}")
@@ -283,6 +284,7 @@ class _Run:
             optimizer.load_state_dict(state["optimizer"])
         tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
         run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state["step"] if state else 0)
+        run.resumed = {k: state[k] for k in ("tokens", "seconds") if k in state} if state else {}
         if state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
             batch = loader(run.plan(0)[0])
             rms = float(batch.last.float().pow(2).mean().sqrt()) if cfg.init_from != "none" else 1.0
@@ -296,6 +298,7 @@ class _Run:
     def __init__(self, cfg, session, target, pdm, layout, optimizer, tokens, loader, step: int):
         self.cfg, self.session, self.target, self.pdm, self.layout = cfg, session, target, pdm, layout
         self.optimizer, self.tokens, self.loader, self.step = optimizer, tokens, loader, step
+        self.resumed: dict = {}  # tokens and seconds of the run's earlier parts (from --resume)
         self.out = Path(cfg.out)
         self.forward = session.wrap(DraftForward(pdm, layout, target))
         self.head, self.index = teacher_head(target, pdm), vocab_index(pdm, target.vocab_size)
@@ -349,7 +352,8 @@ class _Run:
         for name in (CONFIG, WEIGHTS):
             os.replace(tmp / name, self.out / name)
         tmp.rmdir()
-        save_state(self.out, {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(cfg)})
+        save_state(self.out, {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(cfg),
+                              "tokens": summary.tokens, "seconds": summary.seconds})
 
     def loss(self, batch, fills):
         S = batch.features.shape[1]
