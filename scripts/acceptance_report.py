@@ -54,10 +54,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 @torch.inference_mode()
-def ar_continuations(model, tokenizer, prompts, ids, max_new, batch, cache_path: Path) -> dict:
+def ar_continuations(model_path, tokenizer, prompts, ids, max_new, batch, cache_path: Path) -> dict:
     """Greedy continuations by batched generate (left padding), cached by (dataset, index)."""
     done = {(r["dataset"], r["index"]): r["continuation"] for r in read_jsonl(cache_path)}
     todo = [i for i, (name, index, _) in enumerate(prompts) if (name, index) not in done]
+    if not todo:
+        return done
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     todo.sort(key=lambda i: len(ids[i]))  # similar lengths together: less padding
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
@@ -134,14 +138,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     target, tokenizer = load_target(args.model)
-    from transformers import AutoModelForCausalLM
     from spd.default_target import resolve_model_path
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model)).eval()
     prompts = load_prompts(args.eval_dir, args.limit)
     ids = [encode_prompt(tokenizer, text) for _, _, text in prompts]
-    conts = ar_continuations(model, tokenizer, prompts, ids, args.max_new_tokens, args.batch,
+    conts = ar_continuations(resolve_model_path(args.model), tokenizer, prompts, ids, args.max_new_tokens, args.batch,
                              args.out / f"ar_{args.max_new_tokens}.jsonl")
-    del model
 
     rows_path = args.out / "per_prompt.jsonl"
     rows = {row_key(r): r for r in read_jsonl(rows_path)}  # a later line (with a check) wins
