@@ -1,18 +1,21 @@
 """Acceptance report for PDMs on the evaluation prompts (MT-Bench, GSM8K, HumanEval; issue 4).
 
 For each prompt (first turn, chat template, greedy, --max-new-tokens):
-1. the target's greedy continuation, made once with batched `generate` and cached in --ar-cache;
+1. the target's greedy continuation, made once with batched `generate` (OUT/ar_N.jsonl);
 2. SPD's counts for every given PDM by `spd.bench.acceptance.replay` (one full forward, then the
    engine's schedule with the real PDM drafter): acceptance rate, per-draft acceptance,
    equivalent accept length n*N/C;
 3. on the first --engine-check prompts of each dataset (index 0 of every dataset first), the
-   real single-process engine too: its tokens must equal AR's (`spd.baselines.ar`, batch 1) and
-   its counts the replay's over those tokens (near-ties between a full-sequence forward and
-   token-by-token decoding can flip a draft, so a counts mismatch alone is not a bug).
+   real single-process engine too: its tokens must equal AR's (`spd.baselines.ar`, batch 1,
+   cached in OUT/ar_exact_N.jsonl) and its counts the replay's over those tokens (near-ties
+   between a full-sequence forward and token-by-token decoding can flip a draft, so a counts
+   mismatch alone is not a bug).
 
-Writes per-prompt JSONL and a Markdown table. Resumable: replayed rows are skipped, and a later
-run with a larger --engine-check adds the engine to rows that lack it (the engine costs ~2-4x an
-AR decode per prompt and PDM on a CPU, so a full check can be spread over several runs).
+Writes OUT/per_prompt.jsonl (rows named folder@weights-digest, so a retrained PDM of the same
+name starts afresh) and OUT/summary.md. Resumable: replayed rows are skipped, and a later run
+with a larger --engine-check adds the engine to rows that lack it (on a CPU the engine costs
+~2-4x an AR decode per prompt and PDM, so a full check can be spread over several runs; the
+shipped PDMs' rows live in data/acceptance-smollm2, pass it as --out to continue them).
 
     python scripts/acceptance_report.py --pdm src/spd/assets/pdm/smollm2-135m-n2-15-15 \
         --pdm src/spd/assets/pdm/smollm2-135m-n4-8-8-7-7 --out runs/acceptance
@@ -21,6 +24,7 @@ AR decode per prompt and PDM on a CPU, so a full check can be spread over severa
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -29,7 +33,7 @@ from tqdm import tqdm
 
 from spd.baselines.ar import ar_generate
 from spd.bench.acceptance import replay, sequence_snapshots
-from spd.checkpoint import load_pdm
+from spd.checkpoint import WEIGHTS, load_pdm
 from spd.drafters import PDMDrafter
 from spd.engine import generate
 from spd.loading import encode_prompt
@@ -81,6 +85,12 @@ def ar_continuations(model_path, tokenizer, prompts, ids, max_new, batch, cache_
                 out.write(json.dumps({"dataset": name, "index": index, "continuation": row[:cut]}) + "\n")
                 out.flush()
     return done
+
+
+def pdm_label(folder) -> str:
+    """Folder name @ weights digest: rows of a retrained PDM with the same name never mix in."""
+    digest = hashlib.sha256((Path(folder) / WEIGHTS).read_bytes()).hexdigest()[:8]
+    return f"{Path(folder).name}@{digest}"
 
 
 def row_key(row: dict) -> tuple[str, str, int]:
@@ -146,7 +156,7 @@ def main() -> None:
 
     rows_path = args.out / "per_prompt.jsonl"
     rows = {row_key(r): r for r in read_jsonl(rows_path)}  # a later line (with a check) wins
-    pdms = [(Path(folder).name, load_pdm(folder, target)) for folder in args.pdm]
+    pdms = [(pdm_label(folder), load_pdm(folder, target)) for folder in args.pdm]
     anchors = sorted({a for _, pdm in pdms for a in pdm.anchors})
     with rows_path.open("a") as out:
         def keep(row: dict) -> None:
@@ -191,7 +201,7 @@ def main() -> None:
                       "engine_tokens_per_second": real.stats.decode_tokens_per_second})
     rows = list(rows.values()) if shards == 1 else read_jsonl(rows_path)  # with the other shards' rows
     rows = list({row_key(r): r for r in rows}.values())
-    table = summarize(rows, [Path(p).name for p in args.pdm])
+    table = summarize(rows, [name for name, _ in pdms])
     (args.out / "summary.md").write_text(table + "\n")
     print(table)
 
