@@ -199,9 +199,8 @@ def main() -> None:
                       "engine_match": real.tokens == ar, "batched_ar_match": ar == conts[(dataset, index)],
                       "counts_match": counts == (replays[name]["cycles"], replays[name]["accepted"]),
                       "engine_tokens_per_second": real.stats.decode_tokens_per_second})
-    rows = list(rows.values()) if shards == 1 else read_jsonl(rows_path)  # with the other shards' rows
-    rows = list({row_key(r): r for r in rows}.values())
-    table = summarize(rows, [name for name, _ in pdms])
+    rows = {row_key(r): r for r in read_jsonl(rows_path)}  # the file also holds other shards' rows
+    table = summarize(list(rows.values()), [name for name, _ in pdms])
     (args.out / "summary.md").write_text(table + "\n")
     print(table)
 

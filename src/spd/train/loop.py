@@ -283,8 +283,7 @@ class _Run:
         if state is not None:
             optimizer.load_state_dict(state["optimizer"])
         tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
-        run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state["step"] if state else 0)
-        run.resumed = {k: state[k] for k in ("tokens", "seconds") if k in state} if state else {}
+        run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state or {})
         if state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
             batch = loader(run.plan(0)[0])
             rms = float(batch.last.float().pow(2).mean().sqrt()) if cfg.init_from != "none" else 1.0
@@ -295,10 +294,11 @@ class _Run:
                  layout.block_types, len(run.train_idx), len(run.eval_idx), run.per_epoch, run.total)
         return run
 
-    def __init__(self, cfg, session, target, pdm, layout, optimizer, tokens, loader, step: int):
+    def __init__(self, cfg, session, target, pdm, layout, optimizer, tokens, loader, state: dict):
+        """`state`: the saved training state of a resumed run, {} for a fresh one."""
         self.cfg, self.session, self.target, self.pdm, self.layout = cfg, session, target, pdm, layout
-        self.optimizer, self.tokens, self.loader, self.step = optimizer, tokens, loader, step
-        self.resumed: dict = {}  # tokens and seconds of the run's earlier parts (from --resume)
+        self.optimizer, self.tokens, self.loader, self.step = optimizer, tokens, loader, state.get("step", 0)
+        self.resumed = {k: state[k] for k in ("tokens", "seconds") if k in state}  # the run's earlier parts
         self.out = Path(cfg.out)
         self.forward = session.wrap(DraftForward(pdm, layout, target))
         self.head, self.index = teacher_head(target, pdm), vocab_index(pdm, target.vocab_size)
