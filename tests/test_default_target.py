@@ -177,3 +177,14 @@ def test_overlap_checker(eval_dir, tmp_path):
     assert chk.check_file(bad, index) == [(3, "equals eval prompt 2")]
     assert chk.main([str(bad), "--eval-dir", str(eval_dir)]) == 1
     assert chk.main([str(ok), "--eval-dir", str(tmp_path / "nowhere")]) == 2
+
+
+def test_committed_chat_data_has_no_eval_prompt():
+    """The shipped PDMs' training data (data/chat_train.jsonl) against the real eval sets."""
+    chk = _load_checker()
+    if not chk.DEFAULT_EVAL_DIR.is_dir():
+        pytest.skip(f"eval prompts not found at {chk.DEFAULT_EVAL_DIR}")
+    data = Path(__file__).resolve().parents[1] / "data" / "chat_train.jsonl"
+    index = chk.EvalIndex(chk.load_eval_prompts(chk.DEFAULT_EVAL_DIR))
+    assert len(index.prompts) >= 240          # 80 per set, and MT-Bench's second turns
+    assert chk.check_file(data, index) == []
