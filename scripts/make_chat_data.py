@@ -118,7 +118,7 @@ class _StopWhenFew:
 
 def _generate(model, tok, texts, max_new, temperature, top_p, eos_id, min_active_frac=0.0):
     """Batched sampling; returns (text, n_tokens, finished, has_special) per prompt."""
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     plen = enc["input_ids"].shape[1]
     with torch.inference_mode():
         out = model.generate(
@@ -210,6 +210,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--eval-dir", type=Path, default=DEFAULT_EVAL_DIR)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default) or e.g. cuda; sampling differs across devices, so a resumed "
+                         "run must stay on the device it started on")
     ap.add_argument("--resume", action="store_true")
     return ap.parse_args(argv)
 
@@ -233,6 +236,10 @@ def main(argv=None) -> int:
         if meta["params"] != params:
             diff = {k: (meta["params"].get(k), v) for k, v in params.items() if meta["params"].get(k) != v}
             raise SystemExit(f"--resume with different data parameters (recorded, given): {diff}")
+        made_on = meta.get("device", "cpu")  # files made before --device existed: cpu
+        if made_on != args.device:
+            raise SystemExit(f"--resume: {out} was made on {made_on!r}, now --device {args.device!r}; "
+                             f"resume on {made_on!r} (samples differ across devices) or start a new --output")
         progress = meta["progress"]
         seen = {normalize(q) for q in _restore(out, meta)}
         logger.info("resuming at round %d with %d conversations", progress["rounds"], progress["lines"])
@@ -249,13 +256,21 @@ def main(argv=None) -> int:
     path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"  # batched generation continues from the right edge
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-    # The system turn the chat template adds by default, then an open user turn.
-    head = tok.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False)
-    head = head[: head.index("<|im_start|>user")] + "<|im_start|>user\n"
+    # The end of a turn: ChatML's <|im_end|> (the default target), else the model's EOS.
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    if eos_id is None or tok.chat_template is None:
+        raise SystemExit(f"{path}: the tokenizer needs a chat template and an end-of-turn token "
+                         "(<|im_end|> or eos_token); use an instruct/chat model")
+    if tok.pad_token is None:  # e.g. Llama 3; padded positions are masked, any id will do
+        tok.pad_token_id = eos_id
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    # The system turn the chat template adds by default, then an open user turn: everything the
+    # template puts before the user's text.
+    marker = "\u2063SPD-QUESTION\u2063"
+    rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    head = rendered[: rendered.index(marker)]
 
-    meta = {"params": params, "eval_dir": str(args.eval_dir), "model_path": str(path),
+    meta = {"params": params, "eval_dir": str(args.eval_dir), "model_path": str(path), "device": args.device,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "command": sys.argv, "progress": progress}
     out.parent.mkdir(parents=True, exist_ok=True)
