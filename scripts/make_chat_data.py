@@ -143,6 +143,27 @@ def distinct_4gram_ratio(text: str) -> float:
     return len(set(grams)) / len(grams) if len(grams) >= 40 else 1.0
 
 
+def chat_frame(tok) -> tuple[str, int]:
+    """(head, end-of-turn id) of the tokenizer's chat template: the text before a user turn's
+    content (the default system turn and the user header), and the special token that ends
+    the turn, which both sides' generation stops at."""
+    if tok.chat_template is None:
+        raise SystemExit(f"{tok.name_or_path}: the tokenizer has no chat template; "
+                         "use an instruct/chat model")
+    marker = "\u2063SPD-QUESTION\u2063"
+    rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    if marker not in rendered:
+        raise SystemExit(f"{tok.name_or_path}: its chat template changes the user's text, so "
+                         "this script cannot find where a question starts")
+    head, tail = rendered.split(marker, 1)
+    tail_ids = tok(tail, add_special_tokens=False)["input_ids"]
+    if not tail_ids or tail_ids[0] not in tok.all_special_ids:
+        raise SystemExit(f"{tok.name_or_path}: its chat template does not end a user turn with a "
+                         f"special token (it writes {tail!r}); this script needs one (ChatML's "
+                         "<|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>, ...)")
+    return head, tail_ids[0]
+
+
 def _question_ok(q: str, args, seen: set[str], index: EvalIndex) -> str | None:
     """Why question ``q`` is rejected, or None to keep it."""
     n = len(q.split())
@@ -211,8 +232,8 @@ def parse_args(argv=None):
     ap.add_argument("--eval-dir", type=Path, default=DEFAULT_EVAL_DIR)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu",
-                    help="cpu (default) or e.g. cuda; sampling differs across devices, so a resumed "
-                         "run must stay on the device it started on")
+                    help="cpu (default) or e.g. cuda; sampling differs across devices, so a "
+                         "resumed run must stay on the device it started on")
     ap.add_argument("--resume", action="store_true")
     return ap.parse_args(argv)
 
@@ -226,6 +247,17 @@ def main(argv=None) -> int:
     params = {k: getattr(args, k) for k in DATA_PARAMS}
     params["prefixes"] = len(PREFIXES)
 
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spd.default_target import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"  # batched generation continues from the right edge
+    head, eos_id = chat_frame(tok)
+    if tok.pad_token is None:  # e.g. Llama 3; padded positions are masked, any id will do
+        tok.pad_token_id = eos_id
+
     seen: set[str] = set()
     progress = {"rounds": 0, "lines": 0, "answer_tokens": 0, "question_tokens": 0,
                 "answers_unfinished": 0, "rejected": {}}
@@ -234,12 +266,16 @@ def main(argv=None) -> int:
         if not meta:
             raise SystemExit(f"--resume: {meta_path} is missing")
         if meta["params"] != params:
-            diff = {k: (meta["params"].get(k), v) for k, v in params.items() if meta["params"].get(k) != v}
+            diff = {k: (meta["params"].get(k), v) for k, v in params.items()
+                    if meta["params"].get(k) != v}
             raise SystemExit(f"--resume with different data parameters (recorded, given): {diff}")
         made_on = meta.get("device", "cpu")  # files made before --device existed: cpu
-        if made_on != args.device:
-            raise SystemExit(f"--resume: {out} was made on {made_on!r}, now --device {args.device!r}; "
-                             f"resume on {made_on!r} (samples differ across devices) or start a new --output")
+        if torch.device(made_on).type != torch.device(args.device).type:
+            raise SystemExit(f"--resume: {out} was made on {made_on!r}; pass --device {made_on} "
+                             "(samples differ across devices) or start a new --output")
+        if meta.get("head", head) != head:  # e.g. a template that writes today's date
+            raise SystemExit(f"--resume: the chat template now starts a question differently "
+                             f"from when {out} was begun; start a new --output")
         progress = meta["progress"]
         seen = {normalize(q) for q in _restore(out, meta)}
         logger.info("resuming at round %d with %d conversations", progress["rounds"], progress["lines"])
@@ -249,28 +285,11 @@ def main(argv=None) -> int:
     index = EvalIndex(load_eval_prompts(args.eval_dir), n=args.ngram)
     logger.info("loaded %d eval prompts to exclude", len(index.prompts))
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
 
-    from spd.default_target import resolve_model_path
-
-    path = resolve_model_path(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"  # batched generation continues from the right edge
-    # The end of a turn: ChatML's <|im_end|> (the default target), else the model's EOS.
-    eos_id = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
-    if eos_id is None or tok.chat_template is None:
-        raise SystemExit(f"{path}: the tokenizer needs a chat template and an end-of-turn token "
-                         "(<|im_end|> or eos_token); use an instruct/chat model")
-    if tok.pad_token is None:  # e.g. Llama 3; padded positions are masked, any id will do
-        tok.pad_token_id = eos_id
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
-    # The system turn the chat template adds by default, then an open user turn: everything the
-    # template puts before the user's text.
-    marker = "\u2063SPD-QUESTION\u2063"
-    rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    head = rendered[: rendered.index(marker)]
-
-    meta = {"params": params, "eval_dir": str(args.eval_dir), "model_path": str(path), "device": args.device,
+    meta = {"params": params, "eval_dir": str(args.eval_dir), "model_path": str(path),
+            "device": args.device, "head": head,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "command": sys.argv, "progress": progress}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +299,7 @@ def main(argv=None) -> int:
 
     bar = tqdm(total=args.num_conversations, initial=progress["lines"], unit="q", smoothing=0.1)
     t0, ans0 = time.time(), progress["answer_tokens"]
+    empty_rounds = 0
     tokens0 = ans0 + progress["question_tokens"]
     while progress["lines"] < args.num_conversations:
         r = progress["rounds"]
@@ -329,6 +349,11 @@ def main(argv=None) -> int:
             os.fsync(f.fileno())
         progress["lines"] += len(lines)
         progress["rounds"] = r + 1
+        empty_rounds = 0 if lines else empty_rounds + 1
+        if empty_rounds == 20:
+            raise SystemExit(f"no conversation kept in 20 rounds in a row (rejected so far: "
+                             f"{progress['rejected']}); does the model end its turns with "
+                             f"{tok.convert_ids_to_tokens(eos_id)!r}?")
         _write_meta(meta_path, meta)  # after the lines: a crash in between is cut back on resume
         dt = time.time() - t0
         toks = progress["answer_tokens"] + progress["question_tokens"] - tokens0

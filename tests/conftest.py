@@ -1,5 +1,7 @@
 """Tiny random target models of several families, built from configs (offline, fp32, CPU)."""
 
+import json
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -38,6 +40,47 @@ def tiny_model(family="llama", num_layers=4, vocab=64, hidden=32, seed=0, **over
 
 def tiny_target(family="llama", **kw) -> Target:
     return Target.from_hf(tiny_model(family, **kw))
+
+
+WORDS = ["hello", "world", "good", "day", "how", "are", "you", "fine", "thanks", "the", "cat", "sat",
+         "on", "mat", "a", "dog", "ran", "far", "and", "then", "it", "rained", "all", "night"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer(chat_template=TEMPLATE, specials=("<|im_start|>", "<|im_end|>"), eos_token=None):
+    """A word-level fast tokenizer (offsets included) with a chat template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", *specials, "system", "user", "assistant", *WORDS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token=eos_token,
+                                  additional_special_tokens=list(specials))
+    tok.chat_template = chat_template
+    return tok
+
+
+# Stand-ins for ../shared/eval_data (the chat-data eval-overlap guard reads this layout).
+EVAL = {
+    "mt_bench": ["Compose an engaging travel blog post about a recent trip to Hawaii, "
+                 "highlighting cultural experiences and must-see attractions.",
+                 "Rewrite your previous response."],
+    "gsm8k": ["Darrell and Allen's ages are in the ratio of 7:11. If their total age now "
+              "is 162, calculate Allen's age 10 years from now."],
+    "humaneval": ["Complete the code I provided.\n\ndef add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"],
+}
+
+
+def write_eval_dir(root):
+    """EVAL as {name}/question.jsonl files under `root` (EAGLE format: turns[0] is the prompt)."""
+    for name, prompts in EVAL.items():
+        (root / name).mkdir()
+        with (root / name / "question.jsonl").open("w") as f:
+            for i, p in enumerate(prompts):
+                f.write(json.dumps({"question_id": i, "turns": [p]}) + "\n")
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """scripts/make_chat_data.py with a tiny random chat model: a crashed run resumed writes the
-same file as an uninterrupted one, and the resume guards refuse what would break that."""
+same file as an uninterrupted one, the resume guards refuse what would break that, and the
+chat frame (question head, end-of-turn token) is read from any template that has one."""
 
 import importlib.util
 import json
@@ -8,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
-from test_default_target import EVAL
-from test_train_data import tiny_tokenizer
+from conftest import tiny_model, tiny_tokenizer, write_eval_dir
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_chat_data.py"
+LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
 
 
 def _load_script():
@@ -38,19 +39,30 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eval_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("eval")
-    for name, prompts in EVAL.items():
-        (root / name).mkdir()
-        (root / name / "question.jsonl").write_text(
-            "".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
-    return root
+    return write_eval_dir(tmp_path_factory.mktemp("eval"))
 
 
 def _args(model, eval_dir, out, n, *extra):
+    # top-p 1: with uniform probabilities a nucleus cut would drop an arbitrary tied token
     return ["--model", str(model), "--eval-dir", str(eval_dir), "--output", str(out),
-            "--num-conversations", str(n), "--batch-size", "16", "--q-max-new-tokens", "12",
-            "--a-max-new-tokens", "12", "--min-words", "2", "--dtype", "float32", "--threads", "1",
-            "--seed", "3", *extra]
+            "--num-conversations", str(n), "--batch-size", "4", "--q-max-new-tokens", "12",
+            "--a-max-new-tokens", "12", "--q-top-p", "1.0", "--min-words", "2",
+            "--dtype", "float32", "--threads", "1", "--seed", "3", *extra]
+
+
+def test_chat_frame_reads_the_template():
+    script = _load_script()
+    tok = tiny_tokenizer()
+    assert script.chat_frame(tok) == ("<|im_start|>user\n", tok.convert_tokens_to_ids("<|im_end|>"))
+    llama3 = tiny_tokenizer(LLAMA3_TEMPLATE, specials=("<|start_header_id|>", "<|end_header_id|>",
+                                                       "<|eot_id|>"))
+    assert script.chat_frame(llama3) == ("<|start_header_id|>user<|end_header_id|>\n\n",
+                                         llama3.convert_tokens_to_ids("<|eot_id|>"))
+    with pytest.raises(SystemExit, match="no chat template"):
+        script.chat_frame(tiny_tokenizer(chat_template=None))
+    plain_end = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(SystemExit, match="does not end a user turn with a special token"):
+        script.chat_frame(tiny_tokenizer(plain_end))
 
 
 def test_crashed_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, monkeypatch):
@@ -59,29 +71,30 @@ def test_crashed_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, mo
     assert script.main(_args(chat_model, eval_dir, whole, 6)) == 0
     lines = whole.read_text().splitlines()
     meta = json.loads(whole.with_suffix(".meta.json").read_text())
-    assert len(lines) == 6 and meta["progress"]["rounds"] >= 2, meta["progress"]
-    assert meta["device"] == "cpu"
+    assert len(lines) == 6 and meta["device"] == "cpu" and meta["head"] == "<|im_start|>user\n"
     for line in lines:
         user, assistant = json.loads(line)["messages"]
         assert user["role"] == "user" and assistant["role"] == "assistant" and user["content"]
 
-    # Crash in the second round after its lines are written but before its progress is:
-    # the resume must cut those lines back and redo the round from its own seed.
+    # Crash at the second round that keeps lines, after they are written but before its
+    # progress is: the resume must cut them back and redo that round from its own seed.
     crashed = tmp_path / "crashed.jsonl"
-    real_write, calls = script._write_meta, []
+    real_write, kept_rounds = script._write_meta, []
 
     def write_then_crash(path, meta):
-        calls.append(1)
-        if len(calls) == 3:  # 1: start, 2: after round 0, 3: after round 1
-            raise KeyboardInterrupt
+        lines = meta["progress"]["lines"]
+        if lines and lines != (kept_rounds or [0])[-1]:
+            kept_rounds.append(lines)
+            if len(kept_rounds) == 2:
+                raise KeyboardInterrupt
         real_write(path, meta)
 
     monkeypatch.setattr(script, "_write_meta", write_then_crash)
     with pytest.raises(KeyboardInterrupt):
         script.main(_args(chat_model, eval_dir, crashed, 6))
     monkeypatch.setattr(script, "_write_meta", real_write)
-    assert len(crashed.read_text().splitlines()) > json.loads(
-        crashed.with_suffix(".meta.json").read_text())["progress"]["lines"]  # the torn round
+    recorded = json.loads(crashed.with_suffix(".meta.json").read_text())["progress"]["lines"]
+    assert recorded == kept_rounds[0] < len(crashed.read_text().splitlines())  # a torn round
 
     with pytest.raises(SystemExit, match="--resume"):
         script.main(_args(chat_model, eval_dir, crashed, 6))
@@ -89,19 +102,34 @@ def test_crashed_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, mo
     assert crashed.read_text() == whole.read_text()
 
 
-def test_resume_refuses_other_parameters_or_device(chat_model, eval_dir, tmp_path):
+def test_resume_refuses_other_parameters_device_or_template(chat_model, eval_dir, tmp_path):
     script = _load_script()
     out = tmp_path / "chat.jsonl"
+    meta_path = out.with_suffix(".meta.json")
     assert script.main(_args(chat_model, eval_dir, out, 1)) == 0
     with pytest.raises(SystemExit, match="different data parameters"):
         script.main(_args(chat_model, eval_dir, out, 2, "--resume", "--a-temperature", "0.9"))
-    meta_path = out.with_suffix(".meta.json")
-    meta = json.loads(meta_path.read_text())
-    meta["device"] = "cuda"
-    meta_path.write_text(json.dumps(meta))
-    with pytest.raises(SystemExit, match="made on 'cuda'"):
+
+    def edit_meta(**changes):
+        meta = json.loads(meta_path.read_text())
+        meta.update(changes)
+        meta_path.write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
+
+    edit_meta(device="cuda")
+    with pytest.raises(SystemExit, match="pass --device cuda"):
         script.main(_args(chat_model, eval_dir, out, 2, "--resume"))
-    del meta["device"]  # a file made before --device existed was made on the CPU
-    meta_path.write_text(json.dumps(meta))
+    edit_meta(device="cpu", head="<|im_start|>system\nYesterday's date<|im_end|>\n<|im_start|>user\n")
+    with pytest.raises(SystemExit, match="chat template now starts a question differently"):
+        script.main(_args(chat_model, eval_dir, out, 2, "--resume"))
+    edit_meta(device=None, head=None)  # a file made before either was recorded: cpu, any head
     assert script.main(_args(chat_model, eval_dir, out, 2, "--resume")) == 0
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_a_run_that_keeps_nothing_stops_with_an_error(chat_model, eval_dir, tmp_path):
+    # one-token questions never reach 10 words (as when a model never ends its turn with the
+    # expected token, every question is rejected): no endless loop, an error that says why
+    args = _args(chat_model, eval_dir, tmp_path / "chat.jsonl", 2, "--q-max-new-tokens", "1",
+                 "--min-words", "10")
+    with pytest.raises(SystemExit, match="no conversation kept in 20 rounds"):
+        _load_script().main(args)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import EVAL, write_eval_dir
 from spd import default_target as dt
 
 HAVE_GGUF_PACKAGE = importlib.util.find_spec(dt.GGUF_PACKAGE) is not None
@@ -126,24 +127,9 @@ def _load_checker():
     return mod
 
 
-EVAL = {
-    "mt_bench": ["Compose an engaging travel blog post about a recent trip to Hawaii, "
-                 "highlighting cultural experiences and must-see attractions.",
-                 "Rewrite your previous response."],
-    "gsm8k": ["Darrell and Allen's ages are in the ratio of 7:11. If their total age now "
-              "is 162, calculate Allen's age 10 years from now."],
-    "humaneval": ["Complete the code I provided.\n\ndef add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"],
-}
-
-
 @pytest.fixture
 def eval_dir(tmp_path):
-    for name, prompts in EVAL.items():
-        (tmp_path / name).mkdir()
-        with (tmp_path / name / "question.jsonl").open("w") as f:
-            for i, p in enumerate(prompts):
-                f.write(json.dumps({"question_id": i, "turns": [p]}) + "\n")
-    return tmp_path
+    return write_eval_dir(tmp_path)
 
 
 def _write_chat(path, questions):

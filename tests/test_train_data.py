@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_tokenizer
 from spd.baselines.ar import ar_generate
 from spd.sampling import SamplingParams
 from spd.target import Target
@@ -15,27 +15,8 @@ from spd.train.data import (DataError, Example, chat_example, cut, iter_records,
 from spd.train.features import BatchLoader, FeatureStore, target_pass
 from spd.vocab import count_tokens, load_vocab, save_vocab, top_ids
 
-WORDS = ["hello", "world", "good", "day", "how", "are", "you", "fine", "thanks", "the", "cat", "sat",
-         "on", "mat", "a", "dog", "ran", "far", "and", "then", "it", "rained", "all", "night"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CHAT = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "good day"},
         {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine thanks"}]
-
-
-def tiny_tokenizer(chat_template=TEMPLATE):
-    """A word-level fast tokenizer (offsets included) with a chat template, built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-    vocab = {w: i for i, w in enumerate(specials + ["system", "user", "assistant"] + WORDS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
-                                  additional_special_tokens=specials[1:])
-    tok.chat_template = chat_template
-    return tok
 
 
 def ids_of(tok, words):

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import tiny_model, tiny_target
+from conftest import tiny_model, tiny_target, tiny_tokenizer
 from spd import engine
 from spd.baselines.ar import ar_generate
 from spd.checkpoint import load_pdm
@@ -22,7 +22,7 @@ from spd.train.features import target_pass
 from spd.train.objective import DraftForward
 from spd.train.session import StopSignal
 from spd.vocab import count_tokens, save_vocab, top_ids
-from test_train_data import CHAT, tiny_tokenizer
+from test_train_data import CHAT
 
 PROMPT = [3, 17, 5, 9]
 
