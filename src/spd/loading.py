@@ -13,7 +13,7 @@ import torch
 from .checkpoint import load_pdm, read_config
 from .drafters import PDMDrafter
 from .pdm import PDM
-from .shipped import shipped_pdm
+from .shipped import describe_shipped, shipped_pdm
 from .target import Target, load_target, split_layers
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,11 @@ def build_decoder(model: str, stages: int | None = None, split: list[int] | None
     if pdm_path is not None:
         pdm = load_pdm(pdm_path, target, [len(s) for s in layer_split])
     else:
-        log.warning("no --pdm given: drafting with a randomly initialised PDM. Output is still "
-                    "exact, but almost every draft is rejected; train one with `spd train`.")
+        shipped = (f" none ships for the default target at split "
+                   f"{','.join(str(len(s)) for s in layer_split)} (shipped: {describe_shipped()});"
+                   if model == "default" else "")
+        log.warning(f"no --pdm given:{shipped} drafting with a randomly initialised PDM. Output is "
+                    "still exact, but almost every draft is rejected; train one with `spd train`.")
         pdm = PDM.create(target, [len(s) for s in layer_split], num_layers=pdm_layers).eval()
     return Decoder(target, tokenizer, layer_split, pdm)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets" / "pdm"
@@ -9,6 +10,18 @@ ASSETS = Path(__file__).parent / "assets" / "pdm"
 
 def shipped_pdm_dir(stage_layers: list[int]) -> Path:
     return ASSETS / ("smollm2-135m-n%d-%s" % (len(stage_layers), "-".join(map(str, stage_layers))))
+
+
+def shipped_splits() -> dict[int, list[int]]:
+    """{n: layers per stage} of every PDM that ships, e.g. {2: [15, 15], 4: [8, 8, 7, 7]}."""
+    configs = sorted(ASSETS.glob("*/pdm_config.json")) if ASSETS.is_dir() else []
+    splits = [json.loads(c.read_text())["stage_layers"] for c in configs]
+    return {len(split): split for split in sorted(splits, key=len)}
+
+
+def describe_shipped() -> str:
+    """'n=2 (15,15), n=4 (8,8,7,7)': for messages that say what ships."""
+    return ", ".join(f"n={n} ({','.join(map(str, s))})" for n, s in shipped_splits().items()) or "none"
 
 
 def shipped_pdm(model: str, stages: int | None, split: list[int] | None) -> str | None:
