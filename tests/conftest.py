@@ -106,6 +106,17 @@ def chi_square_p(counts: dict, table: dict, total: int):
     return chisquare(observed, expected).pvalue, impossible
 
 
+def load_script(name: str):
+    """A module of scripts/ (not a package), imported from its file."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextlib.contextmanager
 def no_network():
     """Offline as a user with HF_HUB_OFFLINE=1 is (huggingface_hub reads the variable at import,

@@ -2,25 +2,16 @@
 same file as an uninterrupted one, the resume guards refuse what would break that, and the
 chat frame (question head, end-of-turn token) is read from any template that has one."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer, write_eval_dir
+from conftest import load_script, tiny_model, tiny_tokenizer, write_eval_dir
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_chat_data.py"
 LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("make_chat_data", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +42,7 @@ def _args(model, eval_dir, out, n, *extra):
 
 
 def test_chat_frame_reads_the_template():
-    script = _load_script()
+    script = load_script("make_chat_data")
     tok = tiny_tokenizer()
     assert script.chat_frame(tok) == ("<|im_start|>user\n", tok.convert_tokens_to_ids("<|im_end|>"))
     llama3 = tiny_tokenizer(LLAMA3_TEMPLATE, specials=("<|start_header_id|>", "<|end_header_id|>",
@@ -66,7 +57,7 @@ def test_chat_frame_reads_the_template():
 
 
 def test_crashed_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, monkeypatch):
-    script = _load_script()
+    script = load_script("make_chat_data")
     whole = tmp_path / "whole.jsonl"
     assert script.main(_args(chat_model, eval_dir, whole, 6)) == 0
     lines = whole.read_text().splitlines()
@@ -103,7 +94,7 @@ def test_crashed_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, mo
 
 
 def test_resume_refuses_other_parameters_device_or_template(chat_model, eval_dir, tmp_path):
-    script = _load_script()
+    script = load_script("make_chat_data")
     out = tmp_path / "chat.jsonl"
     meta_path = out.with_suffix(".meta.json")
     assert script.main(_args(chat_model, eval_dir, out, 1)) == 0
@@ -132,4 +123,4 @@ def test_a_run_that_keeps_nothing_stops_with_an_error(chat_model, eval_dir, tmp_
     args = _args(chat_model, eval_dir, tmp_path / "chat.jsonl", 2, "--q-max-new-tokens", "1",
                  "--min-words", "10")
     with pytest.raises(SystemExit, match="no conversation kept in 20 rounds"):
-        _load_script().main(args)
+        load_script("make_chat_data").main(args)

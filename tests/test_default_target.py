@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVAL, needs_default_target, no_network, write_eval_dir
+from conftest import EVAL, load_script, needs_default_target, no_network, write_eval_dir
 from spd import default_target as dt
 
 @needs_default_target
@@ -127,14 +127,6 @@ def test_processes_starting_together_convert_once(monkeypatch, tmp_path):
 
 # --- eval overlap checker (scripts/check_no_eval_overlap.py), no model needed ---
 
-def _load_checker():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "check_no_eval_overlap.py"
-    spec = importlib.util.spec_from_file_location("check_no_eval_overlap", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture
 def eval_dir(tmp_path):
     return write_eval_dir(tmp_path)
@@ -149,7 +141,7 @@ def _write_chat(path, questions):
 
 
 def test_overlap_checker(eval_dir, tmp_path):
-    chk = _load_checker()
+    chk = load_script("check_no_eval_overlap")
     index = chk.EvalIndex(chk.load_eval_prompts(eval_dir))
     clean = ["How do I bake bread at home?", "Write a Python function that adds two numbers."]
     for q in clean:
@@ -175,7 +167,7 @@ def test_overlap_checker(eval_dir, tmp_path):
 
 def test_committed_chat_data_has_no_eval_prompt():
     """The shipped PDMs' training data (data/chat_train.jsonl) against the real eval sets."""
-    chk = _load_checker()
+    chk = load_script("check_no_eval_overlap")
     if not chk.DEFAULT_EVAL_DIR.is_dir():
         pytest.skip(f"eval prompts not found at {chk.DEFAULT_EVAL_DIR}")
     data = Path(__file__).resolve().parents[1] / "data" / "chat_train.jsonl"

@@ -5,13 +5,11 @@ to AR, and accepts at least the per-draft rate recorded at release (scripts/rele
 minus a small margin for floating-point differences between machines.
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import needs_default_target
+from conftest import load_script, needs_default_target
 from spd.shipped import ASSETS, shipped_pdm, shipped_pdm_dir
 
 SHIPPED = sorted(p for p in ASSETS.glob("*") if (p / "pdm_config.json").is_file()) if ASSETS.exists() else []
@@ -19,14 +17,6 @@ MARGIN = 0.05
 BUDGET_BYTES = 60 * 10**6  # the issue's budget: all shipped checkpoints together <= 60 MB
 
 pytestmark = needs_default_target
-
-
-def _release_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "release_pdm.py"
-    spec = importlib.util.spec_from_file_location("release_pdm", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +53,7 @@ def test_shipped_pdm_accepts_as_released(default_target, folder):
     pdm = load_pdm(folder, target)
     assert shipped_pdm_dir(list(pdm.config.stage_layers)) == folder  # named by its split
     release = json.loads((folder / "pdm_config.json").read_text())["extra"]["release"]
-    script = _release_script()
+    script = load_script("release_pdm")
     assert [row["prompt"] for row in release["prompts"]] == script.REGRESSION_PROMPTS
     assert release["max_new_tokens"] == script.MAX_NEW_TOKENS
     stages = split_layers(target.num_layers, pdm.config.n_stages, list(pdm.config.stage_layers))
