@@ -4,6 +4,7 @@ tokenizers, eval-set stand-ins, and the embedded default target converted once p
 import contextlib
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_tokenizer(chat_template=TEMPLATE, specials=("<|im_start|>", "<|im_end|>"), eos_token=None):
+def tiny_tokenizer(chat_template=TEMPLATE, specials=("<|im_start|>", "<|im_end|>")):
     """A word-level fast tokenizer (offsets included) with a chat template, built offline."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -59,7 +60,7 @@ def tiny_tokenizer(chat_template=TEMPLATE, specials=("<|im_start|>", "<|im_end|>
     vocab = {w: i for i, w in enumerate(["<unk>", *specials, "system", "user", "assistant", *WORDS])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token=eos_token,
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
                                   additional_special_tokens=list(specials))
     tok.chat_template = chat_template
     return tok
@@ -76,8 +77,10 @@ EVAL = {
 }
 
 
-def write_eval_dir(root):
-    """EVAL as {name}/question.jsonl files under `root` (EAGLE format: turns[0] is the prompt)."""
+@pytest.fixture(scope="session")
+def eval_dir(tmp_path_factory):
+    """EVAL as {name}/question.jsonl files (EAGLE format: turns[0] is the prompt)."""
+    root = tmp_path_factory.mktemp("eval")
     for name, prompts in EVAL.items():
         (root / name).mkdir()
         with (root / name / "question.jsonl").open("w") as f:
@@ -108,8 +111,6 @@ def chi_square_p(counts: dict, table: dict, total: int):
 
 def load_script(name: str):
     """A module of scripts/ (not a package), imported from its file."""
-    from pathlib import Path
-
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import load_script, tiny_model, tiny_tokenizer, write_eval_dir
+from conftest import load_script, tiny_model, tiny_tokenizer
 
 LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
@@ -26,11 +26,6 @@ def chat_model(tmp_path_factory) -> Path:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
-
-
-@pytest.fixture(scope="module")
-def eval_dir(tmp_path_factory) -> Path:
-    return write_eval_dir(tmp_path_factory.mktemp("eval"))
 
 
 def _args(model, eval_dir, out, n, *extra):

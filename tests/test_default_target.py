@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVAL, load_script, needs_default_target, no_network, write_eval_dir
+from conftest import EVAL, load_script, needs_default_target, no_network
 from spd import default_target as dt
 
 @needs_default_target
@@ -126,11 +126,6 @@ def test_processes_starting_together_convert_once(monkeypatch, tmp_path):
 
 
 # --- eval overlap checker (scripts/check_no_eval_overlap.py), no model needed ---
-
-@pytest.fixture
-def eval_dir(tmp_path):
-    return write_eval_dir(tmp_path)
-
 
 def _write_chat(path, questions):
     with path.open("w") as f:
