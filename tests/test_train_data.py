@@ -144,6 +144,24 @@ def test_feature_store_matches_the_target_pass(tmp_path):
     torch.testing.assert_close(live.features[1, :5, 1], snaps[2][0], atol=1e-5, rtol=0)
 
 
+def test_caches_follow_the_data_content_not_its_path(tmp_path):
+    """A moved copy of the data reuses the token store and the feature cache; other data rebuilds
+    the (cheap) token store, and the (costly) feature cache refuses instead of being overwritten."""
+    target = Target.from_hf(tiny_model("llama", num_layers=2))
+    seqs = [[1, 2, 3, 4], [5, 6, 7]]
+    tokens = open_token_store(tmp_path / "t", [write_ids(tmp_path / "d.jsonl", seqs)], None, 64, 16)
+    FeatureStore.open_or_create(tmp_path / "f", tokens, target, [0, 1], "float32").build(target, 16, progress=False)
+    moved = write_ids(tmp_path / "elsewhere.jsonl", seqs)
+    again = open_token_store(tmp_path / "t", [moved], None, 64, 16)
+    assert again.meta == tokens.meta  # not rebuilt
+    assert FeatureStore.open_or_create(tmp_path / "f", again, target, [0, 1]).complete
+    other = open_token_store(tmp_path / "t", [write_ids(tmp_path / "o.jsonl", [[1, 2, 3, 9]])], None, 64, 16)
+    assert other.meta["content"] != tokens.meta["content"] and other.sequence(0)[0].tolist() == [1, 2, 3, 9]
+    with pytest.raises(ValueError, match="other token data.*delete"):
+        FeatureStore.open_or_create(tmp_path / "f", other, target, [0, 1])
+    assert json.loads((tmp_path / "f" / "meta.json").read_text())["complete"]  # left as it was
+
+
 def test_regenerate_uses_the_targets_answers():
     tok = tiny_tokenizer()
     target = Target.from_hf(tiny_model("llama", num_layers=2, vocab=len(tok)))

@@ -184,11 +184,21 @@ def cut(examples: Iterator[Example], max_len: int, pack: bool = False) -> Iterat
 # ----- the on-disk token store --------------------------------------------------------------
 
 def data_fingerprint(paths, options: dict) -> str:
-    """Hash of the files (path, size, mtime) and the tokenisation options."""
+    """Hash of the files' bytes (in order) and the tokenisation options: a copied, moved or
+    touched file keeps its token store; an edited one rebuilds it."""
     h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
     for path in check_files(paths):
-        st = path.stat()
-        h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+        with open(path, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()[:16]
+
+
+def tokens_digest(folder) -> str:
+    """Hash of a token store's ids, mask and offsets: what the feature cache depends on."""
+    h = hashlib.sha256()
+    for name in ("ids.bin", "mask.bin", "offsets.npy"):
+        with open(Path(folder) / name, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
     return h.hexdigest()[:16]
 
 
@@ -263,8 +273,8 @@ class TokenStore:
         os.replace(folder / "ids.bin.tmp", folder / "ids.bin")
         os.replace(folder / "mask.bin.tmp", folder / "mask.bin")
         np.save(folder / "offsets.npy", np.asarray(offsets, dtype=np.int64))
-        meta = {"fingerprint": fingerprint, "sequences": len(offsets) - 1, "tokens": total,
-                "scored_tokens": None, "skipped": skipped, "options": options}
+        meta = {"fingerprint": fingerprint, "content": tokens_digest(folder), "sequences": len(offsets) - 1,
+                "tokens": total, "scored_tokens": None, "skipped": skipped, "options": options}
         store_mask = np.memmap(folder / "mask.bin", dtype=np.uint8, mode="r", shape=(total,))
         meta["scored_tokens"] = int(store_mask.sum())
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -95,14 +95,17 @@ class FeatureStore:
         folder = Path(folder)
         stored = sorted({a for a in anchors if a != 0} | {target.num_layers})
         meta_path = folder / "meta.json"
-        want = {"target": _fingerprint(target), "tokens": tokens.meta["fingerprint"]}
+        want = {"target": _fingerprint(target), "tokens": tokens.meta["content"]}
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
         if meta is not None and meta.get("target") != want["target"]:
             raise ValueError(f"feature cache {folder} belongs to another target ({meta.get('target')}); "
                              f"use another --cache folder")
+        # keyed on the token ids themselves, so moving or copying the data keeps the cache; a cache
+        # for other tokens is hours of target forwards: refuse rather than overwrite it
         if meta is not None and meta.get("tokens") != want["tokens"]:
-            log.info("feature cache %s is stale (the token store changed): rebuilding it", folder)
-            meta = None
+            raise ValueError(f"feature cache {folder} holds features of other token data (tokens "
+                             f"{meta.get('tokens')}, this data's {want['tokens']}): the data, --max-len or "
+                             f"--pack changed. Use another --cache folder, or delete {folder} to rebuild it")
         if meta is not None:
             store = cls(folder, tokens, meta)
             if not store.covers(stored):
