@@ -183,11 +183,12 @@ def demo(
 ):
     """Run the embedded SmolLM2-135M-Instruct with its shipped PDM: stream the answer, then decode
     it again with plain autoregressive decoding and compare (tokens, cycles, acceptance, speed)."""
-    from .shipped import describe_shipped, shipped_splits
+    from .shipped import demo_pdm
 
-    if stages not in shipped_splits():
-        fail(f"no PDM ships for --stages {stages}; shipped: {describe_shipped()}. For another n, "
-             "train one (`spd train`) and decode with `spd generate --model default --pdm FOLDER`")
+    try:
+        demo_pdm(stages)  # refuse before the prompt is echoed and the target loads
+    except FileNotFoundError as err:
+        fail(str(err))
     _setup(threads)
     from .demo import PROMPT, print_report, run_demo
 

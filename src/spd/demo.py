@@ -12,17 +12,14 @@ from .baselines.ar import ar_generate
 from .engine import generate
 from .loading import build_decoder, encode_prompt
 from .sampling import SamplingParams
-from .shipped import shipped_pdm
+from .shipped import demo_pdm
 
 PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example."
 
 
 def run_demo(stages: int = 2, prompt: str = PROMPT, max_new_tokens: int = 128, on_text=None) -> dict:
     """Decode `prompt` with SPD (shipped PDM) and AR on the default target; return both stats."""
-    pdm_path = shipped_pdm("default", stages, None)
-    if pdm_path is None:
-        raise FileNotFoundError(f"no PDM ships for the default target at n={stages}; "
-                                f"try --stages 2 or 4, or pass your own with `spd generate --pdm`")
+    pdm_path = demo_pdm(stages)
     dec = build_decoder("default", stages=stages, pdm_path=pdm_path)
     ids = encode_prompt(dec.tokenizer, prompt)
     shown = []

@@ -33,3 +33,12 @@ def shipped_pdm(model: str, stages: int | None, split: list[int] | None) -> str 
     n = len(split) if split is not None else (stages or 2)
     folder = shipped_pdm_dir([len(s) for s in split_layers(30, n, split)])
     return str(folder) if (folder / "pdm_config.json").is_file() else None
+
+
+def demo_pdm(stages: int) -> str:
+    """The shipped PDM `spd demo --stages` runs, or FileNotFoundError saying what ships instead."""
+    if stages not in shipped_splits():
+        raise FileNotFoundError(
+            f"no PDM ships for --stages {stages}; shipped: {describe_shipped()}. For another n, train one "
+            f"(`spd train`) and decode with `spd generate --model default --pdm FOLDER`")
+    return str(shipped_pdm_dir(shipped_splits()[stages]))
