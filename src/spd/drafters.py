@@ -64,13 +64,15 @@ class PDMDrafter:
         self.after_stages = False
         self.cache = KVCache(range(pdm.config.num_layers))
         self.committed = 0   # positions whose depth-n rows are final in the PDM cache
+        self.last_source = "pdm"
 
     def begin(self, prompt_len: int) -> None:
         self.cache.reset()
         self.committed = 0
 
     @torch.inference_mode()
-    def draft(self, state, params, gen):
+    def logits(self, state) -> torch.Tensor:
+        """(V,) full-vocabulary logits of the PDM's prediction for position newest+1."""
         start, newest = self.committed, state.newest
         depths = [state.depth(p) for p in range(start, newest + 1)]
         types = torch.tensor([self.pdm.type_of_depth(d) for d in depths])
@@ -79,6 +81,10 @@ class PDMDrafter:
         self.cache.crop(start)  # in-flight rows changed depth since last cycle: recompute them
         logits = self.pdm.full_vocab_logits(self.pdm.forward_window(rows, positions, self.cache))
         self.committed = state.first_inflight  # finished rows just computed at depth n are final
+        return logits
+
+    def draft(self, state, params, gen):
+        logits = self.logits(state)
         if params.greedy:
             return int(logits.argmax()), None
         q = probs(logits, params)

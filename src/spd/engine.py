@@ -41,6 +41,27 @@ class SPDStats:
     # state, 1 = first draft after a rejection): index f-1 counts verified / accepted drafts
     verified_by_fill: list[int] = field(default_factory=list)
     accepted_by_fill: list[int] = field(default_factory=list)
+    # per verified draft, by where it came from (the drafter's `last_source`: pdm, retrieval,
+    # both = retrieval agreed with the PDM, ...): source -> [verified, accepted]
+    drafts_by_source: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, fill: int, source: str, accepted: bool) -> None:
+        """One verified draft: drafted at pipeline fill `fill` by `source`."""
+        self.verified_by_fill[fill - 1] += 1
+        self.accepted_by_fill[fill - 1] += accepted
+        counts = self.drafts_by_source.setdefault(source, [0, 0])
+        counts[0] += 1
+        counts[1] += accepted
+        if accepted:
+            self.accepted += 1
+        else:
+            self.rejected += 1
+
+    def source_acceptance(self) -> dict[str, dict]:
+        """{source: {share, acceptance}}: share of verified drafts, accepted fraction of its own."""
+        total = sum(v for v, _ in self.drafts_by_source.values())
+        return {name: {"share": v / total, "acceptance": a / v if v else 0.0}
+                for name, (v, a) in sorted(self.drafts_by_source.items())}
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,6 +88,7 @@ class SPDStats:
         for name in ("acceptance_rate", "equivalent_accept_length", "per_draft_acceptance",
                      "decode_tokens_per_second"):
             out[name] = getattr(self, name)
+        out["source_acceptance"] = self.source_acceptance()
         return out
 
 
@@ -136,7 +158,7 @@ def _draft(drafter, state, params, gen, stats):
     t = time.perf_counter()
     draft, q = drafter.draft(state, params, gen)
     stats.pdm_seconds += time.perf_counter() - t
-    return draft, q
+    return draft, q, getattr(drafter, "last_source", "draft")
 
 
 @torch.inference_mode()
@@ -180,13 +202,13 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     drafter.begin(len(prompt_ids))
     pipe = Pipeline(tokens, first_inflight=len(prompt_ids), n_stages=n)
     hidden = {pipe.newest: enter(pipe.newest)}   # in-flight position -> (1, 1, H)
-    fills = {}                                   # in-flight draft position -> fill when drafted
+    fills = {}                       # in-flight draft position -> (fill when drafted, its source)
     t_decode = _now(device)
     while True:
         work = pipe.work()
         # 1. Draft position newest+1 from features that exist before this cycle's stage work.
         if not drafter.after_stages:
-            draft, q = _draft(drafter, pipe.draft_state(features), params, gen, stats)
+            draft, q, source = _draft(drafter, pipe.draft_state(features), params, gen, stats)
 
         # 2. Stage step: the token at depth k runs stage k and records the anchors it passes.
         for position, k in work:
@@ -197,24 +219,19 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
             stats.stage_seconds[k] += _now(device) - t
         stats.cycles += 1
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
-            draft, q = _draft(drafter, pipe.draft_state(features, stepped=True), params, gen, stats)
+            draft, q, source = _draft(drafter, pipe.draft_state(features, stepped=True), params, gen, stats)
 
         # The draft joins the pipeline at depth 0 (dropped again below if a rejection cuts it).
         pipe.admit(draft, q)
-        fills[pipe.newest] = len(work)
+        fills[pipe.newest] = (len(work), source)
 
         # 3. Exit + verify: with n tokens in flight the oldest has finished all n stages.
         if len(work) == n:
             t = _now(device)
             logits = target.logits(hidden.pop(pipe.first_inflight)[0, -1])
             accepted, token, checked = pipe.settle(logits, params, gen)
-            fill = fills.pop(checked)
-            stats.verified_by_fill[fill - 1] += 1
-            stats.accepted_by_fill[fill - 1] += accepted
-            if accepted:
-                stats.accepted += 1
-            else:  # everything from the checked position on is gone: crop the caches there
-                stats.rejected += 1
+            stats.count(*fills.pop(checked), accepted)
+            if not accepted:  # everything from the checked position on is gone: crop the caches there
                 cache.crop(checked)
                 hidden.clear()
                 fills.clear()

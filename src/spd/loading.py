@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import load_pdm, read_config
-from .drafters import PDMDrafter
 from .pdm import PDM
+from .retrieval import Gate, drafter_kind, make_drafter
 from .shipped import describe_shipped, shipped_pdm
 from .target import Target, load_target, split_layers
 
@@ -44,14 +44,17 @@ class Decoder:
     target: Target
     tokenizer: object | None
     stages: list[range]
-    pdm: PDM
+    pdm: PDM | None            # None with the retrieval drafter (it needs no PDM)
+    drafter_kind: str = "pdm"  # hybrid | pdm | retrieval (spd.retrieval.DRAFTERS)
+    gate: Gate | None = None   # the hybrid's gate: the PDM checkpoint's, else the default
 
     @property
     def stage_layers(self) -> list[int]:
         return [len(s) for s in self.stages]
 
-    def drafter(self) -> PDMDrafter:
-        return PDMDrafter(self.pdm)
+    def drafter(self):
+        """A fresh drafter for one sequence stream."""
+        return make_drafter(self.drafter_kind, self.pdm, self.gate)
 
 
 def resolve_split(num_layers: int, stages: int | None, split: list[int] | None,
@@ -68,15 +71,20 @@ def resolve_split(num_layers: int, stages: int | None, split: list[int] | None,
 
 def build_decoder(model: str, stages: int | None = None, split: list[int] | None = None,
                   pdm_path: str | None = None, dtype: torch.dtype = torch.float32,
-                  device: str = "cpu", pdm_layers: int = 1) -> Decoder:
-    """Load the target and its PDM (a random one, with a warning, when none is given)."""
+                  device: str = "cpu", pdm_layers: int = 1, drafter: str | None = None) -> Decoder:
+    """Load the target and what the drafter needs: `drafter` None means hybrid when a PDM is
+    given or ships, else retrieval; pdm or hybrid without a PDM get a random one (warned)."""
     if pdm_path is None:
         pdm_path = shipped_pdm(model, stages, split)
+    kind = drafter_kind(drafter, pdm_path is not None)
     if pdm_path is not None:
         read_config(pdm_path)  # a bad checkpoint path fails before the model loads
+    gate = Gate.load(pdm_path) if pdm_path is not None else Gate()
     target, tokenizer = load_target(model, dtype=dtype, device=device)
     layer_split = resolve_split(target.num_layers, stages, split, pdm_path)
-    if pdm_path is not None:
+    if kind == "retrieval":
+        pdm = None
+    elif pdm_path is not None:
         pdm = load_pdm(pdm_path, target, [len(s) for s in layer_split])
     else:
         shipped = (f" none ships for the default target at split "
@@ -85,7 +93,7 @@ def build_decoder(model: str, stages: int | None = None, split: list[int] | None
         log.warning(f"no --pdm given:{shipped} drafting with a randomly initialised PDM. Output is "
                     "still exact, but almost every draft is rejected; train one with `spd train`.")
         pdm = PDM.create(target, [len(s) for s in layer_split], num_layers=pdm_layers).eval()
-    return Decoder(target, tokenizer, layer_split, pdm)
+    return Decoder(target, tokenizer, layer_split, pdm, kind, gate)
 
 
 def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:

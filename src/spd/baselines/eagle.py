@@ -30,6 +30,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..pdm import TargetFingerprint, _body_config
+from ..retrieval import SuffixIndex
 from ..sampling import SamplingParams, sample, verify
 from ..target import Target, attention_mask
 from .heads import DraftVocabHead, pick
@@ -133,6 +134,7 @@ class EagleStats:
     verify_seconds: float = 0.0
     verified_by_position: list[int] = field(default_factory=list)   # index j: the (j+1)-th draft
     accepted_by_position: list[int] = field(default_factory=list)
+    drafts_by_source: dict[str, list[int]] = field(default_factory=dict)   # head/retrieval -> [verified, accepted]
 
     @property
     def per_draft_acceptance(self) -> float:
@@ -182,24 +184,32 @@ def draft_chain(head: EagleHead, cache: KVCache, tokens: list[int], features: to
 
 
 def accept_prefix(drafts: list[int], qs: list, logits: torch.Tensor, params: SamplingParams,
-                  gen: torch.Generator, stats: EagleStats) -> tuple[int, int]:
+                  gen: torch.Generator, stats: EagleStats, source: str = "head") -> tuple[int, int]:
     """Verify drafts in order against (k+1, V) target logits: (accepted count, target's token)."""
+    counts = stats.drafts_by_source.setdefault(source, [0, 0])
     for j, (draft, q) in enumerate(zip(drafts, qs)):
         stats.verified += 1
         stats.verified_by_position[j] += 1
+        counts[0] += 1
         accepted, token = verify(draft, q, logits[j], params, gen)
         if not accepted:
             return j, token                      # recovered token
         stats.accepted += 1
         stats.accepted_by_position[j] += 1
+        counts[1] += 1
     return len(drafts), sample(logits[len(drafts)], params, gen)   # bonus token
 
 
 @torch.inference_mode()
 def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int = 5,
                  params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
-                 eos_token_ids=(), stats: EagleStats | None = None) -> Iterator[int]:
-    """Yield the new tokens of one sequence: per round k drafts, one target forward."""
+                 eos_token_ids=(), stats: EagleStats | None = None,
+                 retrieval_min_len: int | None = None) -> Iterator[int]:
+    """Yield the new tokens of one sequence: per round k drafts, one target forward.
+
+    retrieval_min_len: when the sequence's newest suffix of at least this many tokens occurred
+    before (`spd.retrieval.SuffixIndex`), the chain is the tokens that followed it (point
+    masses, SAM-Decoding style) instead of the head's; None drafts with the head only."""
     assert k >= 1 and len(prompt_ids) >= 1
     stats = stats if stats is not None else EagleStats(k)
     stats.k, stats.prompt_tokens = k, len(prompt_ids)
@@ -224,19 +234,27 @@ def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int 
     yield tokens[-1]
     if tokens[-1] in eos or max_new_tokens == 1:
         return
+    index = SuffixIndex() if retrieval_min_len is not None else None
     t_decode = time.perf_counter()
     while True:
         c = len(tokens) - 1                        # newest verified token, not yet through the target
         n_draft = min(k, max_new_tokens - stats.new_tokens - 1)   # no drafts past the budget
         t = time.perf_counter()
-        drafts, qs = draft_chain(head, head_cache, tokens, features, c, n_draft, params, gen)
-        stats.draft_forwards += n_draft
+        drafts, source = [], "head"
+        if index is not None and n_draft > 0:
+            index.sync(tokens, len(tokens) - 1)
+            if index.lookup()[1] >= retrieval_min_len:   # the head's forward is skipped this round
+                drafts, source = index.continuation(n_draft), "retrieval"
+                qs = [None] * len(drafts)
+        if not drafts:
+            drafts, qs = draft_chain(head, head_cache, tokens, features, c, n_draft, params, gen)
+            stats.draft_forwards += n_draft
         stats.draft_seconds += time.perf_counter() - t
         t = time.perf_counter()
         block = torch.tensor([tokens[c]] + drafts, device=device)
         positions = torch.arange(c, c + len(block), device=device)
         hidden, snapshots = target.run_layers(target.embed(block), positions, range(L), cache, record)
-        n_acc, token = accept_prefix(drafts, qs, target.logits(hidden[0]), params, gen, stats)
+        n_acc, token = accept_prefix(drafts, qs, target.logits(hidden[0]), params, gen, stats, source)
         cache.crop(c + n_acc + 1)                  # keep x_c and the accepted drafts
         keep(c, snapshots, n_acc + 1)
         head_cache.crop(c)                         # rows on the head's own features are redone
@@ -253,8 +271,9 @@ def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int 
 
 def eagle_generate(target: Target, head: EagleHead, prompt_ids: list[int], k: int = 5,
                    params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
-                   eos_token_ids=None) -> tuple[list[int], EagleStats]:
+                   eos_token_ids=None, retrieval_min_len: int | None = None) -> tuple[list[int], EagleStats]:
     eos = target.eos_token_ids if eos_token_ids is None else eos_token_ids
     stats = EagleStats(k)
-    tokens = list(eagle_stream(target, head, prompt_ids, k, params, max_new_tokens, eos, stats))
+    tokens = list(eagle_stream(target, head, prompt_ids, k, params, max_new_tokens, eos, stats,
+                               retrieval_min_len))
     return tokens, stats

@@ -3,8 +3,8 @@
 Greedy SPD emits the target's greedy continuation, so its whole run (which drafts are accepted,
 how many cycles) is fixed by that continuation and the PDM. `replay()` walks the engine's
 schedule over the known sequence: the anchor features of every position come from ONE forward
-of the target over prompt + continuation, and each cycle asks the real `PDMDrafter` for its
-draft, exactly as `engine.stream` does. A draft made while a wrong draft is still in flight is
+of the target over prompt + continuation, and each cycle asks the real drafter (PDM, retrieval
+or hybrid) for its draft, exactly as `engine.stream` does. A draft made while a wrong draft is still in flight is
 dropped by the engine before it matters, so replay does not compute it.
 
 The counts equal the engine's up to floating-point noise between a full-sequence forward and
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from ..drafters import DraftState, PDMDrafter
+from ..drafters import DraftState
 from ..engine import SPDStats, store_snapshots
 from ..sampling import SamplingParams
 from ..target import Target
@@ -33,7 +33,7 @@ def sequence_snapshots(target: Target, sequence: list[int], anchors) -> dict:
 
 
 @torch.inference_mode()
-def replay(target: Target, drafter: PDMDrafter, prompt_ids: list[int], continuation: list[int],
+def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[int],
            n_stages: int, snapshots: dict | None = None) -> SPDStats:
     """SPD statistics (cycles, accepted, rejected) for greedy decoding of `continuation`.
 
@@ -48,15 +48,18 @@ def replay(target: Target, drafter: PDMDrafter, prompt_ids: list[int], continuat
         snapshots = sequence_snapshots(target, sequence, drafter.anchors)
     store_snapshots(features, slice(0, len(sequence)), snapshots, column)
 
-    stats = SPDStats(n_stages, prompt_tokens=prompt_len, new_tokens=1, stage_seconds=[0.0] * n_stages)
+    stats = SPDStats(n_stages, prompt_tokens=prompt_len, new_tokens=1, stage_seconds=[0.0] * n_stages,
+                     verified_by_fill=[0] * n_stages, accepted_by_fill=[0] * n_stages)
     params, gen = SamplingParams(), torch.Generator(device=device)
     drafter.begin(prompt_len)
     first_inflight, newest = prompt_len, prompt_len
     wrong_inflight = None          # position of the oldest wrong draft in flight, if any
+    drafted = {}                   # draft position -> (pipeline fill when drafted, its source)
     while stats.new_tokens < len(continuation):
         if wrong_inflight is None and newest + 1 < len(sequence):
             state = DraftState(sequence[: newest + 1], first_inflight, n_stages, features)
             draft, _ = drafter.draft(state, params, gen)
+            drafted[newest + 1] = (newest - first_inflight + 1, getattr(drafter, "last_source", "draft"))
             if draft != sequence[newest + 1]:
                 wrong_inflight = newest + 1
         stats.cycles += 1
@@ -65,9 +68,8 @@ def replay(target: Target, drafter: PDMDrafter, prompt_ids: list[int], continuat
             checked = first_inflight + 1
             first_inflight = checked
             stats.new_tokens += 1
+            stats.count(*drafted.pop(checked), checked != wrong_inflight)
             if checked == wrong_inflight:
-                stats.rejected += 1
                 newest, wrong_inflight = checked, None  # the corrected token restarts the pipeline
-            else:
-                stats.accepted += 1
+                drafted.clear()
     return stats

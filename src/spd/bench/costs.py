@@ -96,12 +96,14 @@ def target_step(target: Target, context: int):
 @torch.inference_mode()
 def pipeline_draft_step(target: Target, drafter, n: int, context: int):
     """A callable making one steady-state draft call of an engine drafter (SPD's PDM or PPSD's
-    head): a full pipeline of n in flight after `context` finished positions, random features."""
+    head, or the hybrid's lookup + PDM): a full pipeline of n in flight after `context` finished
+    positions, random features."""
     gen = torch.Generator().manual_seed(0)
     columns = max(1, len(drafter.anchors))
     features = torch.randn(context + n + 1, columns, target.hidden_size, generator=gen).to(
         device=target.device, dtype=target.dtype)
-    state = DraftState([0] * (context + n), context, n, features, stepped=drafter.after_stages)
+    # distinct token ids: no retrieval match, so a hybrid drafter pays for its PDM forward too
+    state = DraftState(list(range(context + n)), context, n, features, stepped=drafter.after_stages)
     params, sample_gen = SamplingParams(), torch.Generator(device=target.device)
     drafter.begin(context)
     drafter.draft(state, params, sample_gen)  # fills the drafter's cache with the finished rows
@@ -140,3 +142,26 @@ def draft_fraction(target: Target, draft_step, context: int, reps: int = 21) -> 
 
 def measure_fraction(draft_seconds: float, target_seconds: float) -> float:
     return draft_seconds / target_seconds if target_seconds > 0 else 0.0
+
+
+def retrieval_step(context: int, n: int, gate=None):
+    """A callable doing one cycle's retrieval work at `context` tokens: the newest in-flight draft
+    replaced (a truncation and an append), the lookup, and the gate's decision."""
+    import random
+
+    from ..retrieval import Gate, SuffixIndex
+
+    gate = gate or Gate()
+    rng = random.Random(0)
+    tokens = [rng.randrange(512) for _ in range(context + n)]   # a small vocabulary: matches occur
+    index = SuffixIndex(gate.max_len)
+    index.sync(tokens)
+    flip = [0]
+
+    def step():
+        flip[0] ^= 1
+        tokens[-1] = 7 + flip[0]
+        index.sync(tokens, context)
+        _, length = index.lookup()
+        gate.skips_pdm(length) or gate.takes_retrieval(length, 0.5)
+    return step

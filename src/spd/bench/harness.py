@@ -259,6 +259,8 @@ def _measure_costs(run: dict, runners: dict, target, context: int, out: Path) ->
             info.update(draft_fraction=fraction, draft_seconds=draft_s, target_seconds=target_s)
             log.info("%s: draft forward %.2f ms = %.3f of a target forward (%.2f ms)", name, 1e3 * draft_s,
                      fraction, 1e3 * target_s)
+        if runner.spec.retrieval:   # the lookup + gate part of a draft, at 4k tokens of context
+            info["retrieval_ms"] = 1e3 * costs.median_seconds(costs.retrieval_step(4096, runner.spec.n or 1), 201)
         run["methods"][name] = info
     write_json(out / RUN, run)
 

@@ -1,11 +1,14 @@
 """The methods a benchmark compares, by name, each turned into one per-prompt record.
 
-Names: `ar`, `spd-n<N>`, `ppsd-n<N>`, `eagle-k<K>`. A method runs on the shared target with
+Names: `ar`, `spd-n<N>`, `ppsd-n<N>`, `eagle-k<K>`; `spd-n<N>+retrieval` is SPD with the hybrid
+drafter (`spd.retrieval`), `eagle-k<K>+retrieval` drafts a retrieved chain when the sequence's
+suffix matches earlier text (at least EAGLE_RETRIEVAL_MIN_LEN tokens), else the head's chain. A method runs on the shared target with
 spd's own cache and sampling code and returns the fields the report needs (same names for
 every method; a field a method has no notion of is None):
 
     tokens, cycles, target_forwards, draft_forwards, verified, accepted,
-    verified_by_position, accepted_by_position, prefill_seconds, decode_seconds, draft_seconds
+    verified_by_position, accepted_by_position, drafts_by_source, prefill_seconds, decode_seconds,
+    draft_seconds
 
 "position" is where a draft sat: for SPD / PPSD the pipeline fill when it was drafted
 (1..n, n = steady state), for EAGLE-style drafting its index in the chain (1..k).
@@ -24,9 +27,9 @@ from ..baselines.eagle import EagleHead, eagle_generate
 from ..baselines.heads import load_head, read_head_config
 from ..baselines.ppsd import PPSDDrafter, PPSDHead, PPSDConfig
 from ..checkpoint import load_pdm, read_config
-from ..drafters import PDMDrafter
 from ..engine import generate
 from ..pdm import PDM
+from ..retrieval import Gate, make_drafter
 from ..sampling import SamplingParams
 from ..shipped import shipped_pdm
 from ..target import Target, split_layers
@@ -35,6 +38,8 @@ from . import costs
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(ar)$|^(spd|ppsd)-n(\d+)$|^(eagle)-k(\d+)$")
+RETRIEVAL = "+retrieval"    # suffix: spd-n<N>+retrieval (the hybrid drafter), eagle-k<K>+retrieval
+EAGLE_RETRIEVAL_MIN_LEN = 3  # a retrieved chain replaces the head's from a match this long (SAM-Decoding style)
 
 
 @dataclass(frozen=True)
@@ -42,24 +47,30 @@ class MethodSpec:
     kind: str                  # ar | spd | ppsd | eagle
     n: int | None = None       # pipeline stages (spd, ppsd)
     k: int | None = None       # drafts per round (eagle)
+    retrieval: bool = False    # drafts from the sequence itself beside the PDM / head
 
     @property
     def name(self) -> str:
         if self.kind == "ar":
             return "ar"
-        return f"{self.kind}-n{self.n}" if self.kind in ("spd", "ppsd") else f"eagle-k{self.k}"
+        base = f"{self.kind}-n{self.n}" if self.kind in ("spd", "ppsd") else f"eagle-k{self.k}"
+        return base + (RETRIEVAL if self.retrieval else "")
 
     @classmethod
     def parse(cls, name: str) -> "MethodSpec":
-        m = _NAME.match(name.strip())
-        if not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(5) and int(m.group(5)) < 1):
-            raise ValueError(f"unknown method {name!r}: use ar, spd-n<N>, ppsd-n<N> or eagle-k<K> "
-                             f"(e.g. ar,spd-n2,spd-n4,ppsd-n4,eagle-k3,eagle-k5)")
+        name = name.strip()
+        retrieval = name.endswith(RETRIEVAL)
+        m = _NAME.match(name.removesuffix(RETRIEVAL))
+        if (not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(5) and int(m.group(5)) < 1)
+                or (retrieval and not (m.group(2) == "spd" or m.group(4)))):
+            raise ValueError(f"unknown method {name!r}: use ar, spd-n<N>, ppsd-n<N> or eagle-k<K>, and "
+                             f"spd-n<N>+retrieval or eagle-k<K>+retrieval for drafting with retrieval beside "
+                             f"them (e.g. ar,spd-n2,spd-n2+retrieval,ppsd-n4,eagle-k3,eagle-k5+retrieval)")
         if m.group(1):
             return cls("ar")
         if m.group(2):
-            return cls(m.group(2), n=int(m.group(3)))
-        return cls("eagle", k=int(m.group(5)))
+            return cls(m.group(2), n=int(m.group(3)), retrieval=retrieval)
+        return cls("eagle", k=int(m.group(5)), retrieval=retrieval)
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -98,6 +109,7 @@ def _pipeline_record(result) -> dict:
     s = result.stats
     return {"tokens": result.tokens, "cycles": s.cycles, "target_forwards": None,
             "draft_forwards": s.cycles, "verified": s.accepted + s.rejected, "accepted": s.accepted,
+            "drafts_by_source": s.drafts_by_source,
             "verified_by_position": list(s.verified_by_fill), "accepted_by_position": list(s.accepted_by_fill),
             "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
             "draft_seconds": s.pdm_seconds}
@@ -118,6 +130,7 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
             tokens, s = ar_generate(target, prompt, params, max_new, eos)
             return {"tokens": tokens, "cycles": None, "target_forwards": s.forwards, "draft_forwards": 0,
                     "verified": 0, "accepted": 0, "verified_by_position": [], "accepted_by_position": [],
+                    "drafts_by_source": {},
                     "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
                     "draft_seconds": 0.0}
         return Runner(spec, target, None, False, decode)
@@ -129,9 +142,11 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
             head = EagleHead.create(target).eval()
 
         def decode(prompt, params, max_new, eos):
-            tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos)
+            tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos,
+                                       EAGLE_RETRIEVAL_MIN_LEN if spec.retrieval else None)
             return {"tokens": tokens, "cycles": None, "target_forwards": s.rounds,
                     "draft_forwards": s.draft_forwards, "verified": s.verified, "accepted": s.accepted,
+                    "drafts_by_source": s.drafts_by_source,
                     "verified_by_position": s.verified_by_position, "accepted_by_position": s.accepted_by_position,
                     "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
                     "draft_seconds": s.draft_seconds}
@@ -148,7 +163,8 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
             log.warning("spd-n%d: no PDM for n=%d: a random PDM (almost every draft rejected)", n, n)
             stage_layers = [len(s) for s in split_layers(target.num_layers, n)]
             pdm = PDM.create(target, stage_layers).eval()
-        make = lambda: PDMDrafter(pdm)  # noqa: E731
+        gate = Gate.load(path) if path is not None else Gate()
+        make = lambda: make_drafter("hybrid" if spec.retrieval else "pdm", pdm, gate)  # noqa: E731
     else:
         path = _find(ppsds, n, lambda p: PPSDConfig.from_json(read_head_config(p)[1]).n_stages)
         if path is not None:

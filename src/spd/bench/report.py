@@ -27,7 +27,8 @@ FIELDS = ("method", "kind", "n", "k", "dataset", "temperature", "prompts", "new_
           "per_draft_acceptance", "mean_accepted_length", "equivalent_accept_length",
           "draft_cost_fraction", "decode_cost", "theoretical_speedup", "decode_seconds",
           "tokens_per_second", "ar_tokens_per_second", "wall_clock_ratio", "greedy_checked",
-          "greedy_mismatches", "verified_by_position", "acceptance_by_position", "untrained")
+          "greedy_mismatches", "verified_by_position", "acceptance_by_position", "untrained",
+          "retrieval_share", "acceptance_by_source", "retrieval_ms")
 
 
 def _ratio(a, b):
@@ -80,7 +81,20 @@ def summarize_group(records: list[dict], dataset: str, fraction: float, ar_recor
         "verified_by_position": by_verified,
         "acceptance_by_position": [_ratio(a, v) for a, v in zip(by_accepted, by_verified)],
         "untrained": any(r.get("untrained") for r in records),
+        **_by_source(records),
     }
+
+
+def _by_source(records: list[dict]) -> dict:
+    """Share of verified drafts from retrieval, and acceptance of each draft source."""
+    counts = defaultdict(lambda: [0, 0])
+    for r in records:
+        for source, (verified, accepted) in (r.get("drafts_by_source") or {}).items():
+            counts[source][0] += verified
+            counts[source][1] += accepted
+    total = sum(v for v, _ in counts.values())
+    return {"retrieval_share": _ratio(counts["retrieval"][0], total) if "retrieval" in counts else None,
+            "acceptance_by_source": {s: _ratio(a, v) for s, (v, a) in sorted(counts.items())}}
 
 
 def summarize(records: list[dict], methods: dict) -> list[dict]:
@@ -104,7 +118,8 @@ def summarize(records: list[dict], methods: dict) -> list[dict]:
                 if not group:
                     continue
                 fraction = methods.get(method, {}).get("draft_fraction", 0.0)
-                rows.append(summarize_group(group, dataset, fraction, groups.get(("ar", dataset, t), [])))
+                row = summarize_group(group, dataset, fraction, groups.get(("ar", dataset, t), []))
+                rows.append({**row, "retrieval_ms": methods.get(method, {}).get("retrieval_ms")})
     return rows
 
 
@@ -119,15 +134,19 @@ def _fmt(value, digits=2) -> str:
 def markdown(rows: list[dict]) -> str:
     """The full table, then theoretical / wall-clock speedup per dataset (SPEC section 9 style)."""
     head = ("| method | dataset | T | prompts | new tokens | cycles / target fwd | per-draft acc. | "
-            "mean acc. len | draft cost | theor. speedup | tok/s | wall-clock vs AR | greedy = AR |")
-    lines = [head, "|" + "---|" * 13]
+            "from retrieval | acc. by source | mean acc. len | draft cost | retrieval ms | theor. speedup | "
+            "tok/s | wall-clock vs AR | greedy = AR |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         steps = r["cycles"] if r["cycles"] is not None else r["target_forwards"]
         greedy = f"{r['greedy_checked'] - r['greedy_mismatches']}/{r['greedy_checked']}" if r["greedy_checked"] else "-"
         name = r["method"] + (" (untrained)" if r["untrained"] else "")
+        by_source = ", ".join(f"{k} {_fmt(v)}" for k, v in (r.get("acceptance_by_source") or {}).items()) or "-"
         lines.append(f"| {name} | {r['dataset']} | {r['temperature']:g} | {r['prompts']} | {r['new_tokens']} | "
-                     f"{steps} | {_fmt(r['per_draft_acceptance'])} | {_fmt(r['mean_accepted_length'])} | "
-                     f"{_fmt(r['draft_cost_fraction'], 3)} | {_fmt(r['theoretical_speedup'])} | "
+                     f"{steps} | {_fmt(r['per_draft_acceptance'])} | {_fmt(r.get('retrieval_share'))} | "
+                     f"{by_source} | {_fmt(r['mean_accepted_length'])} | "
+                     f"{_fmt(r['draft_cost_fraction'], 3)} | {_fmt(r.get('retrieval_ms'), 3)} | "
+                     f"{_fmt(r['theoretical_speedup'])} | "
                      f"{_fmt(r['tokens_per_second'], 1)} | {_fmt(r['wall_clock_ratio'])} | {greedy} |")
     for t in sorted({r["temperature"] for r in rows}):
         datasets = [d for d in dict.fromkeys(r["dataset"] for r in rows if r["temperature"] == t)]

@@ -40,7 +40,7 @@ def weighted_breakdown(runs: list[dict]) -> dict:
 
 
 def measure(model: str = "default", stages: int = 2, split: list[int] | None = None,
-            draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm"),
+            draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm", "hybrid"),
             prompts: list[str] | None = None, max_new_tokens: int = 64, ar_threads: tuple[int, ...] = (),
             threads: int | None = None, pdm: str | None = None, dtype: str = "float32",
             lookahead: str = "auto") -> dict:
@@ -81,7 +81,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | None = N
                 results["ar"][t]["seconds"] += ar_stats.decode_seconds
             torch.set_num_threads(spd_threads)
             for name in drafters:
-                drafter = OracleDrafter(reference) if name == "oracle" else session.default_drafter()
+                drafter = OracleDrafter(reference) if name == "oracle" else session.drafter(name)
                 out = session.generate(prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=())
                 r, s = results[name], out.stats
                 r["tokens"] += s.new_tokens - 1
@@ -128,7 +128,7 @@ def format_report(results: dict) -> str:
     for name, r in results.items():
         if name in ("ar", "settings"):
             continue
-        label = "SPD oracle" if name == "oracle" else "SPD pdm"
+        label = f"SPD {name}"
         lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s  ratio {r['ratio_vs_ar']:.2f} (vs fastest AR)"
                      f"  tokens/cycle {r['tokens_per_cycle']:.3f}  per-draft acceptance {r['per_draft_acceptance']:.3f}"
                      f"  {'identical to AR' if r['identical'] else 'DIFFERENT from AR'}")
@@ -146,7 +146,8 @@ def bench_wallclock(
     stages: int = typer.Option(2, "--stages", "-n", min=1, help="Pipeline stages n."),
     split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 13,17 (default: most even split)."),
     draft_rank: str = typer.Option("with-first-stage", help="'separate' (n+1 processes) or 'with-first-stage' (n)."),
-    drafters: str = typer.Option("oracle,pdm", help="Comma-separated: oracle (upper bound), pdm (shipped, else random)."),
+    drafters: str = typer.Option("oracle,pdm,hybrid", help="Comma-separated: oracle (upper bound), pdm (shipped, else "
+                                 "random), hybrid (retrieval beside the PDM), retrieval (no PDM)."),
     pdm: Optional[str] = typer.Option(None, help="PDM checkpoint (default: the shipped one for the split)."),
     max_new_tokens: int = typer.Option(64, min=2, help="New tokens per prompt (EOS ignored)."),
     prompts: int = typer.Option(len(PROMPTS), min=1, max=len(PROMPTS), help="How many of the built-in prompts."),
@@ -161,8 +162,8 @@ def bench_wallclock(
     from ..runtime import LayoutError, StageFailure
 
     names = tuple(d.strip() for d in drafters.split(",") if d.strip())
-    if not names or any(d not in ("oracle", "pdm") for d in names):
-        raise typer.BadParameter(f"--drafters takes oracle and/or pdm, got {drafters!r}")
+    if not names or any(d not in ("oracle", "pdm", "hybrid", "retrieval") for d in names):
+        raise typer.BadParameter(f"--drafters takes oracle, pdm, hybrid and/or retrieval, got {drafters!r}")
     try:
         results = measure(model, stages, parse_int_list(split, "--split"), draft_rank, names,
                           PROMPTS[:prompts], max_new_tokens, tuple(parse_int_list(ar_threads, "--ar-threads") or ()),

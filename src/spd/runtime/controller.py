@@ -216,6 +216,7 @@ class Controller:
                              f"(it records {self.anchors}); start the run with the drafter's anchors")
         stats = stats if stats is not None else DistributedStats(n)
         stats.n_stages, stats.prompt_tokens, stats.stage_seconds = n, len(prompt_ids), [0.0] * n
+        stats.verified_by_fill, stats.accepted_by_fill = [0] * n, [0] * n
         cycles = cycles if cycles is not None else []
         if max_new_tokens < 1:
             return
@@ -234,6 +235,7 @@ class Controller:
         drafter.begin(length)
         policy = LookaheadPolicy(self.lookahead)
         pipe = Pipeline(tokens, first_inflight=length, n_stages=n)
+        drafted = {}   # in-flight draft position -> (pipeline fill when drafted, its source)
         t_decode = now(device)
         cycle = self._step(tokens, pipe.newest, pipe.first_inflight, -1, features, column)
         while True:
@@ -249,6 +251,7 @@ class Controller:
                 draft, q = drafter.draft(pipe.draft_state(features, stepped=True), params, gen)
                 cycle.times.pdm = now(device) - t
             pipe.admit(draft, q)
+            drafted[pipe.newest] = (len(cycle.work), getattr(drafter, "last_source", "draft"))
             stats.pdm_seconds += cycle.times.pdm
             ahead, token, accepted, crop = None, None, True, -1
             if len(cycle.work) == n:   # the oldest token finished all n stages: verify the next one
@@ -256,8 +259,9 @@ class Controller:
                     ahead = self._step(tokens, pipe.newest, pipe.first_inflight + 1, -1, features, column)
                 t = now(device)
                 accepted, token, checked = pipe.settle(target.logits(finished[0]), params, gen)
-                stats.accepted += accepted
-                stats.rejected += not accepted
+                stats.count(*drafted.pop(checked), accepted)
+                if not accepted:
+                    drafted.clear()
                 crop = -1 if accepted else checked   # every stage crops there next cycle
                 cycle.times.verify = now(device) - t
                 stats.verify_seconds += cycle.times.verify

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..checkpoint import read_config
 from ..engine import GenerationResult
 from ..pdm import default_anchors
+from ..retrieval import Gate, drafter_kind, make_drafter
 from ..sampling import SamplingParams
 from ..shipped import shipped_pdm
 from .controller import LOOKAHEAD, Controller, CycleTimes, DistributedStats, breakdown
@@ -55,6 +56,7 @@ class RunSpec:
     pdm: str | None = None           # PDM checkpoint folder; None: a random PDM (rank 0 only)
     pdm_layers: int = 1
     lookahead: str = "off"           # off / on / auto: issue the next cycle before verifying
+    drafter: str = "hybrid"          # rank 0's drafter: hybrid / pdm / retrieval (spd.retrieval)
 
     @property
     def layout(self) -> Layout:
@@ -95,9 +97,13 @@ def plan(model: str, stages: int | None = None, split: list[int] | None = None, 
             raise LayoutError(f"PDM checkpoint {pdm} was trained for n={pdm_config.n_stages} stages split "
                               f"{list(pdm_config.stage_layers)}, but {n} stages split {list(counts)} were asked "
                               f"for; use --stages {pdm_config.n_stages} or train a PDM for this split")
-    anchors = tuple(pdm_config.anchors) if pdm_config is not None else tuple(default_anchors(list(counts)))
+    kind = drafter_kind(options.pop("drafter", None), pdm is not None)
+    if pdm_config is not None:
+        anchors = tuple(pdm_config.anchors)
+    else:   # retrieval reads no features: the stages report none
+        anchors = () if kind == "retrieval" else tuple(default_anchors(list(counts)))
     return RunSpec(model=str(folder), stage_layers=counts, draft_rank=draft_rank, anchors=anchors, pdm=pdm,
-                   **options)
+                   drafter=kind, **options)
 
 
 def under_torchrun() -> bool:
@@ -144,10 +150,13 @@ class Session:
     def target(self):
         return self.controller.target
 
-    def default_drafter(self):
-        from ..drafters import PDMDrafter
+    def drafter(self, kind: str | None = None):
+        """A fresh drafter for one sequence: `kind` (hybrid, pdm, retrieval) or the run's own."""
+        gate = Gate.load(self.spec.pdm) if self.spec.pdm is not None else Gate()
+        return make_drafter(kind or self.spec.drafter, self.pdm, gate)
 
-        return PDMDrafter(self.pdm)
+    def default_drafter(self):
+        return self.drafter()
 
     def _exit_codes(self) -> dict[int, int | None]:
         return {rank: proc.exitcode for rank, proc in (self.workers or {}).items()}
@@ -339,6 +348,8 @@ def _load_pdm(spec: RunSpec, target):
 
     if spec.pdm is not None:
         return load_pdm(spec.pdm, target, list(spec.stage_layers))
+    if spec.drafter == "retrieval":
+        return None
     log.warning("no --pdm given: drafting with a randomly initialised PDM. Output is still exact, "
                 "but almost every draft is rejected; train one with `spd train`.")
     return PDM.create(target, list(spec.stage_layers), list(spec.anchors), num_layers=spec.pdm_layers).eval()

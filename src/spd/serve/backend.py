@@ -128,17 +128,19 @@ def open_backend(model: str, pdm: str | None = None, stages: int | None = None,
                  served_model_name: str | None = None, **runtime_options) -> Backend | None:
     """Load the model and PDM behind a backend.
 
-    distributed: plan and start spd.runtime (`runtime_options` go to `plan`: draft_rank, devices,
-    threads, timeout, idle_timeout, lookahead). Under torchrun only rank 0 serves HTTP: the other
+    `runtime_options` may name the drafter (hybrid, pdm, retrieval); distributed: plan and start
+    spd.runtime (they go to `plan`: drafter, draft_rank, devices, threads, timeout, idle_timeout,
+    lookahead). Under torchrun only rank 0 serves HTTP: the other
     ranks run their stage until the server stops, then this returns None for them.
     """
     if distributed:
         return _open_distributed(model, pdm, stages, split, dtype, max_model_len, served_model_name,
                                  **runtime_options)
+    drafter = runtime_options.pop("drafter", None)
     if runtime_options:
         raise ValueError(f"{', '.join(sorted(runtime_options))} only apply with --distributed")
     kwargs = {} if dtype is None else {"dtype": dtype}
-    decoder = build_decoder(model, stages, split, pdm, device=device, **kwargs)
+    decoder = build_decoder(model, stages, split, pdm, device=device, drafter=drafter, **kwargs)
     context = _context_limit(decoder.target.config, max_model_len)
     return LocalBackend(decoder, served_model_name or model, context)
 

@@ -12,6 +12,8 @@ def serve(
     pdm: Optional[str] = typer.Option(None, help="PDM checkpoint folder from `spd train` (default: shipped one, else random)."),
     stages: Optional[int] = typer.Option(None, "--stages", "-n", help="Pipeline stages n (default: the PDM's, else 2)."),
     split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 8,8,7,7 (default: most even split)."),
+    drafter: Optional[str] = typer.Option(None, help="hybrid (retrieval beside the PDM), pdm, or retrieval (no PDM). "
+                                          "Default: hybrid when a PDM is given or ships, else retrieval."),
     distributed: bool = typer.Option(False, "--distributed", help="One process per stage (spd.runtime): spawned here, or joined under torchrun (rank 0 serves HTTP)."),
     draft_rank: str = typer.Option("separate", help="--distributed: 'separate' (own rank: n+1 processes) or 'with-first-stage' (n)."),
     devices: Optional[str] = typer.Option(None, help="--distributed: one device per rank, e.g. cuda:0,cuda:1,cuda:2 (default: GPU LOCAL_RANK, else CPU)."),
@@ -42,11 +44,11 @@ def serve(
     from ..runtime import StageFailure   # LayoutError is a ValueError
     from .backend import open_backend
 
-    runtime = {}
+    runtime = {"drafter": drafter}
     if distributed:
         from ..runtime.layout import parse_devices
 
-        runtime = dict(draft_rank=draft_rank, devices=parse_devices(devices), threads=threads, timeout=timeout,
+        runtime.update(draft_rank=draft_rank, devices=parse_devices(devices), threads=threads, timeout=timeout,
                        idle_timeout=idle_timeout, lookahead=lookahead)
     try:
         backend = open_backend(model, pdm, stages, parse_int_list(split, "--split"), distributed,

@@ -1,0 +1,87 @@
+"""Retrieval drafting: the suffix index against brute force, drafters through the one engine."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import chi_square_p, tiny_model
+from spd.baselines.ar import ar_generate
+from spd.drafters import PDMDrafter
+from spd.engine import generate
+from spd.pdm import PDM
+from spd.retrieval import Gate, HybridDrafter, RetrievalDrafter, SuffixIndex, make_drafter
+from spd.target import Target, split_layers
+
+
+def brute_lookup(tokens, max_len):
+    """Longest suffix (<= max_len) of tokens that ends earlier too; its newest earlier end."""
+    t = len(tokens) - 1
+    for k in range(min(max_len, t), 0, -1):
+        suffix = tokens[t - k + 1:]
+        for end in range(t - 1, k - 2, -1):
+            if tokens[end - k + 1:end + 1] == suffix:
+                return tokens[end + 1], k
+    return None, 0
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 8])
+def test_suffix_index_matches_brute_force_through_appends_and_truncations(vocab):
+    rng = random.Random(vocab)
+    index, tokens = SuffixIndex(max_len=5), []
+    for step in range(600):
+        if tokens and rng.random() < 0.2:   # a rejection drops the in-flight tail
+            keep = rng.randrange(max(0, len(tokens) - 5), len(tokens))
+            tokens = tokens[:keep]
+            index.truncate(keep)
+        else:
+            tokens.append(rng.randrange(vocab))
+            index.append(tokens[-1])
+        assert index.tokens == tokens
+        assert index.lookup() == (brute_lookup(tokens, 5) if tokens else (None, 0)), step
+
+
+def test_sync_rewrites_only_the_changed_tail():
+    index = SuffixIndex(max_len=4)
+    index.sync([1, 2, 3, 1, 2])
+    assert index.lookup() == (3, 2)
+    index.sync([1, 2, 3, 1, 5, 1, 2], stable=3)   # position 4 was a rejected draft
+    assert index.tokens == [1, 2, 3, 1, 5, 1, 2] and index.lookup() == (3, 2)
+    assert index.continuation(3) == [3, 1, 5]
+    index.sync([1, 2, 3, 1, 5, 9], stable=4)   # the last two were dropped, 9 came instead
+    assert index.tokens == [1, 2, 3, 1, 5, 9] and index.lookup() == (None, 0)
+    assert index.continuation(3) == []
+
+
+def test_index_memory_is_linear_in_the_context():
+    index = SuffixIndex(max_len=8)
+    for i in range(4000):
+        index.append(i % 97)
+    entries = sum(len(table) for table in index._tables)
+    assert entries <= 8 * 4000 and len(index._undo) == 4000
+
+
+NEW = 40
+PROMPTS = [[3, 17, 5, 9, 22, 3, 17, 5], [1], [40, 2, 2, 2, 2, 2, 2, 2, 2, 7, 11, 60]]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_retrieval_and_hybrid_greedy_equal_ar(family):
+    model = tiny_model(family, num_layers=6, seed=3)
+    target = Target.from_hf(model)
+    for n in (2, 3, 6):
+        stages = split_layers(6, n)
+        pdm = PDM.create(target, [len(s) for s in stages], num_layers=1, seed=1).eval()
+        gates = [Gate(), Gate(min_len=1, max_len=3, threshold=[1.01, 1.01, 1.01]),   # always retrieval
+                 Gate(min_len=1, max_len=2, threshold=[0.6, 0.9])]
+        for prompt in PROMPTS:
+            reference, _ = ar_generate(target, prompt, max_new_tokens=NEW, eos_token_ids=())
+            kinds = [RetrievalDrafter()] + [HybridDrafter(pdm, g) for g in gates]
+            for drafter in kinds:
+                result = generate(target, drafter, prompt, stages, max_new_tokens=NEW, eos_token_ids=())
+                assert result.tokens == reference, (family, n, prompt, drafter)
+                s = result.stats
+                assert s.accepted + s.rejected == NEW - 1
+                by_source = s.drafts_by_source
+                assert sum(v for v, _ in by_source.values()) == NEW - 1
+                assert sum(a for _, a in by_source.values()) == s.accepted
