@@ -209,7 +209,7 @@ def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int 
     device, eos, L = target.device, set(eos_token_ids), target.num_layers
     gen = params.generator(device)
     record = set(head.feature_layers)
-    cache, head_cache = KVCache(range(L)), KVCache([0])
+    cache, head_cache = target.new_cache(), KVCache([0])
     features = torch.zeros(len(prompt_ids) + max_new_tokens + k + 2, len(record), target.hidden_size,
                            device=device, dtype=target.dtype)
 
