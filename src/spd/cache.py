@@ -100,8 +100,8 @@ class KVCache:
         return recurrent_states
 
     def state_bytes(self, layer_idx: int) -> int:
-        """Bytes of one kept state of a recurrent layer (0 before its first call)."""
-        states = self._states[layer_idx]
+        """Bytes of one kept state of a recurrent layer (0 before its first call, or no state)."""
+        states = self._states.get(layer_idx)
         return states[-1].nbytes() if states else 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -135,17 +135,18 @@ class KVCache:
         """Forget every position >= `position` in every layer (a rejected draft and what followed)."""
         if position < 0:
             raise ValueError(f"crop position must be >= 0, got {position}")
-        for layer_idx, length in self._length.items():
-            self._length[layer_idx] = min(length, position)
-        for layer_idx, states in self._states.items():
-            while states and states[-1].length > position:
-                states.pop()
-            if position > 0 and (not states or states[-1].length != position):
-                have = [s.length for s in states]
+        for layer_idx, states in self._states.items():   # check first: a refused crop changes nothing
+            have = [s.length for s in states]
+            if position > 0 and position < (have[-1] if have else 0) and position not in have:
                 raise RuntimeError(
                     f"recurrent layer {layer_idx} cannot go back to position {position}: it keeps the "
                     f"states after {have or 'no'} positions (keep={self._keep[layer_idx]}); a cache "
                     f"for n stages needs n - k states in stage k (Target.new_cache(stages))")
+        for layer_idx, length in self._length.items():
+            self._length[layer_idx] = min(length, position)
+        for states in self._states.values():
+            while states and states[-1].length > position:
+                states.pop()
 
     def reset(self) -> None:
         for layer_idx in self._length:

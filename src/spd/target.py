@@ -98,13 +98,18 @@ class Target:
             check_against_hf(target, model)
         return target
 
-    def new_cache(self, stages: list[range] | None = None, layers=None):
+    @property
+    def recurrent(self) -> bool:
+        """True when some layer keeps a recurrent state (it can only roll back to call boundaries)."""
+        return any(kind in RECURRENT_KINDS for kind in self.kinds)
+
+    def new_cache(self, stages: list[range] | None = None, layers=None, keep: int | None = None):
         """A cache for `layers` (default: all). With the stage split, every recurrent layer keeps
-        only the states a rejection can roll back to: n - k for a layer of stage k."""
+        only the states a rejection can roll back to: n - k for a layer of stage k; else `keep`
+        states (default L + 1, enough for any split)."""
         from .cache import KVCache
 
         layers = range(self.num_layers) if layers is None else layers
-        keep = None
         if stages is not None:
             keep = {i: len(stages) - k for k, stage in enumerate(stages) for i in stage}
         recurrent = [i for i in layers if self.kinds[i] in RECURRENT_KINDS]
@@ -147,15 +152,18 @@ class Target:
         return window
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """(q,) ids -> (1, q, H) embeddings (hidden state index 0)."""
-        hidden = self.embed_tokens(token_ids[None])
+        """(q,) ids -> (1, q, H) embeddings (hidden state index 0); (B, S) ids -> (B, S, H)."""
+        hidden = self.embed_tokens(token_ids if token_ids.dim() == 2 else token_ids[None])
         if self.family.embed_multiplier:
             hidden = hidden * getattr(self.config, self.family.embed_multiplier)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states (..., H) of finished tokens -> (..., V) float32 logits."""
-        logits = self.lm_head(self.norm(hidden))
+        return self.scale_logits(self.lm_head(self.norm(hidden)))
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """lm_head outputs -> the family's logits (scale, divisor, soft-cap), float32."""
         family, config = self.family, self.config
         if family.logit_multiplier:
             logits = logits * getattr(config, family.logit_multiplier)
@@ -175,6 +183,19 @@ class Target:
         hidden, deeper = self.run_layers(hidden, positions, range(self.num_layers), cache, record)
         snapshots.update(deeper)
         return hidden[:, -1:], snapshots
+
+    def run_layers_stepwise(self, hidden: torch.Tensor, positions: torch.Tensor, layers: range, cache,
+                            record=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`run_layers`, one position per call when the model has recurrent layers, so the cache
+        keeps a state to crop back to after every position (verifying several drafts at once)."""
+        if not self.recurrent or len(positions) == 1:
+            return self.run_layers(hidden, positions, layers, cache, record)
+        outs, snaps = [], []
+        for j in range(len(positions)):
+            out, snapshots = self.run_layers(hidden[:, j:j + 1], positions[j:j + 1], layers, cache, record)
+            outs.append(out)
+            snaps.append(snapshots)
+        return torch.cat(outs, 1), {i: torch.cat([s[i] for s in snaps]) for i in snaps[0]}
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, layers: range, cache,
                    record=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

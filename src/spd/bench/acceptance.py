@@ -27,7 +27,7 @@ from ..target import Target
 def sequence_snapshots(target: Target, sequence: list[int], anchors) -> dict:
     """{anchor: (S, H)} hidden states of the whole sequence from one forward of the target."""
     _, snapshots = target.prefill(torch.tensor(sequence, device=target.device),
-                                  target.new_cache(), set(anchors))
+                                  target.new_cache(keep=1), set(anchors))
     return snapshots
 
 
