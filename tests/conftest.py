@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from spd.target import Target
 
@@ -23,16 +23,64 @@ CONFIGS = {
 }
 
 
-def tiny_model(family="llama", num_layers=4, vocab=64, hidden=32, seed=0, **overrides):
+def _alternate(kinds, num_layers):
+    """Layer kinds repeating `kinds` (the last layer is the last kind: full attention last)."""
+    return [kinds[(i - num_layers) % len(kinds)] for i in range(num_layers)]
+
+
+# Per family, what a tiny config needs beyond the common sizes: small experts, small recurrent
+# states, and short sliding windows / mixed layer kinds so the tests exercise them.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_num_key_heads=2, linear_num_value_heads=4)
+FAMILY_CONFIGS = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": dict(sliding_window=None),
+    "phi3": {}, "olmo2": {}, "glm4": {}, "gemma": {},
+    "smollm3": dict(no_rope_layer_interval=2),
+    "exaone4": dict(sliding_window=4, layer_types=lambda L: _alternate(["sliding_attention", "full_attention"], L)),
+    "gemma2": dict(sliding_window=4, final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
+                   layer_types=lambda L: _alternate(["sliding_attention", "full_attention"], L)),
+    "gemma3_text": dict(sliding_window=4, final_logit_softcapping=3.0, query_pre_attn_scalar=8,
+                        layer_types=lambda L: _alternate(["sliding_attention", "full_attention"], L)),
+    "granite": dict(embedding_multiplier=3.0, logits_scaling=0.5, residual_multiplier=0.5,
+                    attention_multiplier=0.2),
+    "cohere": dict(logit_scale=0.5),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=lambda L: _alternate(["sliding_attention", "full_attention"], L)),
+    "qwen2_moe": dict(MOE, shared_expert_intermediate_size=16),
+    "qwen3_moe": dict(MOE),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1,
+                        topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=16,
+                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
+                        num_key_value_heads=4),  # MLA: one key per query head
+    "qwen3_5_text": dict(LINEAR, layer_types=lambda L: _alternate(["linear_attention", "full_attention"], L)),
+    "qwen3_next": dict(**LINEAR, **MOE, shared_expert_intermediate_size=16,
+                       layer_types=lambda L: _alternate(["linear_attention", "full_attention"], L)),
+    "lfm2": dict(conv_L_cache=3, block_auto_adjust_ff_dim=False, full_attn_idxs=None,
+                 layer_types=lambda L: _alternate(["conv", "full_attention"], L)),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_d_conv=4,
+                      mamba_chunk_size=8, embedding_multiplier=2.0, lm_head_multiplier=0.5),
+}
+
+
+def tiny_config(family="llama", num_layers=4, vocab=64, hidden=32, **overrides):
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if family == "qwen3":
-        kwargs["head_dim"] = 8
-    if family == "mistral":
-        kwargs["sliding_window"] = None
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  head_dim=8)
+    extra = {k: v(num_layers) if callable(v) else v for k, v in FAMILY_CONFIGS[family].items()}
+    kwargs.update(extra)
     kwargs.update(overrides)
-    config = CONFIGS[family](**kwargs)
+    if family in CONFIGS:
+        if family != "qwen3":
+            kwargs.pop("head_dim")
+        return CONFIGS[family](**kwargs)
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def tiny_model(family="llama", num_layers=4, vocab=64, hidden=32, seed=0, **overrides):
+    config = tiny_config(family, num_layers, vocab, hidden, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # random init is near-uniform; sharper logits make greedy ties impossible and drafts matter

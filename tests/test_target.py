@@ -28,7 +28,7 @@ def test_split_layers_even_uneven_and_errors():
 
 
 def test_unsupported_architecture_is_named():
-    with pytest.raises(UnsupportedModelError, match="'gpt2'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*llama, mistral, mixtral.*qwen3_5_text"):
         check_supported(GPT2Config())
 
 

@@ -18,7 +18,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from .cache import KVCache
 from .drafters import DraftState, Drafter
 from .sampling import SamplingParams, sample, verify
 from .target import Target
@@ -177,7 +176,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     gen = params.generator(device)
     column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
     record = set(drafter.anchors)
-    cache = KVCache(range(target.num_layers))
+    cache = target.new_cache(stages)   # recurrent layers keep n - k states
     capacity = len(prompt_ids) + max_new_tokens + n + 1
     features = torch.zeros(capacity, len(column), target.hidden_size, device=device, dtype=target.dtype)
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .families import UnsupportedModelError, family_of, layer_kinds
 from .target import Target, attention_mask, split_layers, stage_boundaries
 
 
@@ -92,13 +93,20 @@ class PDMConfig:
 
 
 def _body_config(target_config, num_layers: int):
-    """The target's config for an N_s-layer body with full attention everywhere."""
+    """The target's config for an N_s-layer body: full attention everywhere (hybrid targets get
+    attention layers of their own architecture) and a dense MLP where the family allows it (MoE)."""
+    family = family_of(target_config)
+    if "hybrid" in layer_kinds(target_config):
+        raise UnsupportedModelError(f"{target_config.model_type}: every layer mixes attention and a recurrent "
+                                    f"state, so there is no full-attention layer to build a draft body from")
     cfg = copy.deepcopy(target_config)
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = ["full_attention"] * num_layers
     if hasattr(cfg, "sliding_window"):
         cfg.sliding_window = None
+    for name, value in (family.dense_body or {}).items():
+        setattr(cfg, name, list(range(num_layers)) if value == "all" else num_layers)
     return cfg
 
 

@@ -18,19 +18,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# model_type -> what we rely on. All of these expose model.model.{embed_tokens, layers, norm,
-# rotary_emb} and decoder layers whose attention calls `cache.update(k, v, layer_idx)`.
-FAMILIES = {
-    "llama": "Llama 2/3, SmolLM2, TinyLlama, ...",
-    "mistral": "Mistral (sliding window honoured in the mask)",
-    "qwen2": "Qwen2 / Qwen2.5",
-    "qwen3": "Qwen3 (q/k norms live inside the attention module)",
-}
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
+from .families import (FAMILIES, RECURRENT_KINDS, Family, Rotary, UnsupportedModelError,  # noqa: F401
+                       check_against_hf, check_supported, family_of, layer_kinds)
 
 def split_layers(num_layers: int, n_stages: int, counts: list[int] | None = None) -> list[range]:
     """Cut layers 0..L-1 into n contiguous stages: the most even split, or per-stage counts."""
@@ -88,15 +77,43 @@ class Target:
     architecture: str = ""                # e.g. LlamaForCausalLM (what PDM checkpoints record)
     layer_type: type | None = None        # decoder layer class, for a Target holding no layers
 
+    def __post_init__(self):
+        self.family: Family = family_of(self.config)
+        self.kinds = layer_kinds(self.config)
+        if not isinstance(self.rotary_emb, Rotary):
+            self.rotary_emb = Rotary(self.rotary_emb, self.config, self.family.rope_per_kind)
+
     @classmethod
-    def from_hf(cls, model) -> "Target":
-        """Wrap a loaded transformers *ForCausalLM of a supported family."""
+    def from_hf(cls, model, check: bool = True) -> "Target":
+        """Wrap a loaded transformers *ForCausalLM of a supported family; with `check`, refuse it
+        unless spd's forward of a few tokens gives transformers' logits (families.check_against_hf)."""
         check_supported(model.config)
         body = model.model
-        return cls(config=model.config, embed_tokens=body.embed_tokens,
-                   layers=dict(enumerate(body.layers)), rotary_emb=body.rotary_emb,
-                   norm=body.norm, lm_head=model.lm_head, eos_token_ids=eos_ids_of(model),
-                   architecture=type(model).__name__)
+        family = family_of(model.config)
+        target = cls(config=model.config, embed_tokens=body.embed_tokens,
+                     layers=dict(enumerate(body.layers)), rotary_emb=body.rotary_emb,
+                     norm=getattr(body, family.norm), lm_head=model.lm_head, eos_token_ids=eos_ids_of(model),
+                     architecture=type(model).__name__)
+        if check:
+            check_against_hf(target, model)
+        return target
+
+    @property
+    def recurrent(self) -> bool:
+        """True when some layer keeps a recurrent state (it can only roll back to call boundaries)."""
+        return any(kind in RECURRENT_KINDS for kind in self.kinds)
+
+    def new_cache(self, stages: list[range] | None = None, layers=None, keep: int | None = None):
+        """A cache for `layers` (default: all). With the stage split, every recurrent layer keeps
+        only the states a rejection can roll back to: n - k for a layer of stage k; else `keep`
+        states (default L + 1, enough for any split)."""
+        from .cache import KVCache
+
+        layers = range(self.num_layers) if layers is None else layers
+        if stages is not None:
+            keep = {i: len(stages) - k for k, stage in enumerate(stages) for i in stage}
+        recurrent = [i for i in layers if self.kinds[i] in RECURRENT_KINDS]
+        return KVCache(layers, recurrent=recurrent, keep=keep)
 
     @property
     def layer_class(self) -> type:
@@ -128,19 +145,34 @@ class Target:
         """Sliding-window size of one layer, or None for full attention."""
         window = getattr(self.config, "sliding_window", None)
         types = getattr(self.config, "layer_types", None)
-        if window is None or (types is not None and types[layer_idx] != "sliding_attention"):
+        if not window or (types is not None and types[layer_idx] != "sliding_attention"):
             return None
         if self.config.model_type == "qwen2" and not getattr(self.config, "use_sliding_window", False):
             return None
         return window
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """(q,) ids -> (1, q, H) embeddings (hidden state index 0)."""
-        return self.embed_tokens(token_ids[None])
+        """(q,) ids -> (1, q, H) embeddings (hidden state index 0); (B, S) ids -> (B, S, H)."""
+        hidden = self.embed_tokens(token_ids if token_ids.dim() == 2 else token_ids[None])
+        if self.family.embed_multiplier:
+            hidden = hidden * getattr(self.config, self.family.embed_multiplier)
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states (..., H) of finished tokens -> (..., V) float32 logits."""
-        return self.lm_head(self.norm(hidden)).float()
+        return self.scale_logits(self.lm_head(self.norm(hidden)))
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """lm_head outputs -> the family's logits (scale, divisor, soft-cap), float32."""
+        family, config = self.family, self.config
+        if family.logit_multiplier:
+            logits = logits * getattr(config, family.logit_multiplier)
+        if family.logit_divisor:
+            logits = logits / getattr(config, family.logit_divisor)
+        cap = getattr(config, family.softcap) if family.softcap else None
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def prefill(self, prompt_ids: torch.Tensor, cache, record=()):
         """Run the prompt through every layer: (last position's (1, 1, H) pre-norm hidden,
@@ -152,6 +184,19 @@ class Target:
         snapshots.update(deeper)
         return hidden[:, -1:], snapshots
 
+    def run_layers_stepwise(self, hidden: torch.Tensor, positions: torch.Tensor, layers: range, cache,
+                            record=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`run_layers`, one position per call when the model has recurrent layers, so the cache
+        keeps a state to crop back to after every position (verifying several drafts at once)."""
+        if not self.recurrent or len(positions) == 1:
+            return self.run_layers(hidden, positions, layers, cache, record)
+        outs, snaps = [], []
+        for j in range(len(positions)):
+            out, snapshots = self.run_layers(hidden[:, j:j + 1], positions[j:j + 1], layers, cache, record)
+            outs.append(out)
+            snaps.append(snapshots)
+        return torch.cat(outs, 1), {i: torch.cat([s[i] for s in snaps]) for i in snaps[0]}
+
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, layers: range, cache,
                    record=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run `layers` on (1, q, H) hidden states of new positions, appending to `cache`.
@@ -162,16 +207,26 @@ class Target:
         """
         assert hidden.dim() == 3 and hidden.shape[:2] == (1, len(positions)), hidden.shape
         position_ids = positions[None]
-        rope = self.rotary_emb(hidden, position_ids=position_ids)
+        ropes = {}   # per layer kind (gemma3 has one rotary embedding per kind)
         snapshots = {}
         masks = {}
         for layer_idx in layers:
-            kv_len = cache.length(layer_idx) + len(positions)
+            kind = self.kinds[layer_idx]
+            rope_key = kind if self.family.rope_per_kind else None
+            if rope_key not in ropes:
+                ropes[rope_key] = self.rotary_emb(hidden, position_ids, layer_type=kind)
             window = self.layer_window(layer_idx)
-            if window not in masks:
-                masks[window] = attention_mask(positions, kv_len, hidden.dtype, window)
-            hidden = self.layers[layer_idx](hidden, attention_mask=masks[window], position_ids=position_ids,
-                                            cache=cache, position_embeddings=rope)
+            if kind in ("linear_attention", "conv"):  # recurrent: no attention mask
+                mask = None
+            else:
+                key = (window, cache.length(layer_idx))
+                if key not in masks:
+                    masks[key] = attention_mask(positions, cache.length(layer_idx) + len(positions),
+                                                hidden.dtype, window)
+                mask = masks[key]
+            out = self.layers[layer_idx](hidden, attention_mask=mask, position_ids=position_ids,
+                                         cache=cache, position_embeddings=ropes[rope_key])
+            hidden = out[0] if isinstance(out, tuple) else out   # falcon_h1 layers return a tuple
             if layer_idx + 1 in record:
                 snapshots[layer_idx + 1] = hidden[0]
         return hidden, snapshots
@@ -186,15 +241,6 @@ def eos_ids_of(model) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-def check_supported(config) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by spd; supported families: "
-            f"{', '.join(sorted(FAMILIES))}. (spd needs a decoder-only causal LM whose model.model "
-            f"has embed_tokens, layers, norm and rotary_emb.)")
 
 
 def load_target(name_or_path: str, dtype=torch.float32, device="cpu"):

@@ -12,7 +12,6 @@ from typing import Iterator
 
 import torch
 
-from ..cache import KVCache
 from ..sampling import SamplingParams, sample
 from ..target import Target
 
@@ -43,7 +42,7 @@ def ar_stream(target: Target, prompt_ids: list[int], params: SamplingParams = Sa
         return
     device, eos = target.device, set(eos_token_ids)
     gen = params.generator(device)
-    cache = KVCache(range(target.num_layers))
+    cache = target.new_cache(keep=1)   # no rollback: one recurrent state
     t0 = time.perf_counter()
     hidden, _ = target.prefill(torch.tensor(prompt_ids, device=device), cache)
     token = sample(target.logits(hidden[0, -1]), params, gen)

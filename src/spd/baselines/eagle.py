@@ -219,7 +219,7 @@ def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int 
     device, eos, L = target.device, set(eos_token_ids), target.num_layers
     gen = params.generator(device)
     record = set(head.feature_layers)
-    cache, head_cache = KVCache(range(L)), KVCache([0])
+    cache, head_cache = target.new_cache(keep=k + 2), KVCache([0])   # recurrent: a state per verified position
     features = torch.zeros(len(prompt_ids) + max_new_tokens + k + 2, len(record), target.hidden_size,
                            device=device, dtype=target.dtype)
 
@@ -253,7 +253,7 @@ def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int 
         t = time.perf_counter()
         block = torch.tensor([tokens[c]] + drafts, device=device)
         positions = torch.arange(c, c + len(block), device=device)
-        hidden, snapshots = target.run_layers(target.embed(block), positions, range(L), cache, record)
+        hidden, snapshots = target.run_layers_stepwise(target.embed(block), positions, range(L), cache, record)
         n_acc, token = accept_prefix(drafts, qs, target.logits(hidden[0]), params, gen, stats, source)
         cache.crop(c + n_acc + 1)                  # keep x_c and the accepted drafts
         keep(c, snapshots, n_acc + 1)

@@ -99,7 +99,12 @@ class PPSDHead(nn.Module):
             with torch.no_grad():
                 for i, layer in enumerate(head.layers):
                     source = min(config.exit_index + i, target.num_layers - 1)
-                    layer.load_state_dict(target.layers[source].state_dict())
+                    # a hybrid or MoE target's layer may differ from the dense full-attention
+                    # body layer: copy the weights both have (norms, MLP or attention)
+                    own = layer.state_dict()
+                    shared = {name: w for name, w in target.layers[source].state_dict().items()
+                              if name in own and own[name].shape == w.shape}
+                    layer.load_state_dict(shared, strict=False)
         return head.to(device=target.device, dtype=target.dtype)
 
 

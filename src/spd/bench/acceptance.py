@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
 from ..drafters import DraftState
 from ..engine import SPDStats, store_snapshots
 from ..sampling import SamplingParams
@@ -28,7 +27,7 @@ from ..target import Target
 def sequence_snapshots(target: Target, sequence: list[int], anchors) -> dict:
     """{anchor: (S, H)} hidden states of the whole sequence from one forward of the target."""
     _, snapshots = target.prefill(torch.tensor(sequence, device=target.device),
-                                  KVCache(range(target.num_layers)), set(anchors))
+                                  target.new_cache(keep=1), set(anchors))
     return snapshots
 
 

@@ -81,7 +81,7 @@ def target_step(target: Target, context: int):
     """A callable running one new token through every layer and the lm_head after `context`
     cached positions (the cache is cropped back after each call)."""
     device = target.device
-    cache = KVCache(range(target.num_layers))
+    cache = target.new_cache(keep=2)   # cropped back after every step
     target.prefill(torch.zeros(context, dtype=torch.long, device=device), cache)
     token, position = torch.zeros(1, dtype=torch.long, device=device), torch.tensor([context], device=device)
 

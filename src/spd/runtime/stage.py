@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from ..cache import KVCache
 from ..target import Target
 from .layout import CONTROL_RANK, Layout
 from .protocol import Command, Link, Op, report_indices
@@ -43,7 +42,7 @@ class StageWorker:
         self.last = k == layout.n_stages - 1
         self.rows = report_indices(self.stage, anchors, layout.num_layers, self.last)
         self.record = set(self.rows)
-        self.cache = KVCache(self.stage)
+        self.cache = target.new_cache(layout.stages, layers=self.stage)   # recurrent: n - k states
         self.upstream = CONTROL_RANK if k == 0 else layout.stage_rank(k - 1)
         self.downstream = None if self.last else layout.stage_rank(k + 1)
         self.local = layout.stage_rank(k) == CONTROL_RANK   # runs inside the control process

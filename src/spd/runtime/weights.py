@@ -3,8 +3,11 @@
 A stage process needs its decoder layers and the rotary embedding; the control process needs
 the embedding, the final norm and the lm_head (plus stage 0's layers when it runs stage 0).
 `load_partial_target` builds the model's skeleton on the meta device (no memory, no random
-init), materialises only the parts asked for, and reads only their tensors with
-`safetensors.safe_open`, so no process ever holds the full model.
+init), materialises only the parts asked for (their non-persistent buffers, such as Gemma's
+embedding scale, set by transformers' own `_init_weights`), and reads only their tensors with
+`safetensors.safe_open`, passed through transformers' own checkpoint conversion (per-expert
+checkpoint keys -> the fused expert modules of transformers 5), so no process ever holds the
+full model.
 
 This module knows file layouts and module names, nothing about stages or processes.
 """
@@ -19,7 +22,7 @@ import torch
 from safetensors import safe_open  # reads single tensors of a file without loading the rest
 from torch import nn
 
-from ..target import Target, check_supported
+from ..target import Target, check_supported, family_of
 
 log = logging.getLogger(__name__)
 
@@ -57,24 +60,56 @@ def weight_files(folder: Path) -> dict[str, Path]:
     return where
 
 
-def read_tensors(where: dict[str, Path], prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor whose name starts with `prefix`, keyed by the rest of the name."""
-    names = [name for name in where if name.startswith(prefix)]
-    if not names:
-        raise KeyError(f"no tensors named {prefix}* in the checkpoint")
+def read_tensors(where: dict[str, Path], names) -> dict[str, torch.Tensor]:
+    """The tensors `names` (checkpoint keys), each file opened once."""
+    names = list(names)
     out = {}
     for file in sorted({where[name] for name in names}):
         with safe_open(str(file), framework="pt") as f:
             for name in names:
                 if where[name] == file:
-                    out[name[len(prefix):]] = f.get_tensor(name)
+                    out[name] = f.get_tensor(name)
     return out
 
 
-def _materialise(module: nn.Module, state: dict[str, torch.Tensor], dtype, device) -> nn.Module:
-    module.to_empty(device=device)
-    module.load_state_dict(state, strict=True)
-    return module.to(dtype=dtype).eval().requires_grad_(False)
+def _load_converted(skeleton, where: dict[str, Path], parts: dict[str, nn.Module], dtype, device) -> None:
+    """Materialise the modules `parts` (module path -> module of `skeleton`) from the checkpoint.
+
+    Checkpoint keys are renamed and converted (e.g. per-expert weights stacked into fused expert
+    tensors) by transformers' own conversion mapping for this model; only the keys that land in
+    `parts` are read.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming, convert_and_load_state_dict_in_model,
+                                                 rename_source_key)
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    for module in parts.values():   # real storage, buffers and parameters initialised as transformers does
+        module.to_empty(device=device)
+        module.apply(skeleton._init_weights)
+    # some buffers are set from the parent (Falcon-H1's mup_vector, by the base model's init);
+    # on the parts still on the meta device this is a no-op
+    for ancestor in (skeleton.model, skeleton):
+        skeleton._init_weights(ancestor)
+    mapping = get_model_conversion_mapping(skeleton)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    meta_state = skeleton.state_dict()
+    prefixes = tuple(f"{path}." for path in parts)
+    wanted = [name for name in where
+              if rename_source_key(name, renamings, converters, skeleton.base_model_prefix, meta_state)[0]
+              .startswith(prefixes)]
+    if not wanted:
+        raise KeyError(f"no tensors for {sorted(parts)} in the checkpoint")
+    config = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype, device_map={"": str(device)})
+    info, _ = convert_and_load_state_dict_in_model(skeleton, read_tensors(where, wanted), config)
+    missing = sorted(k for k in info.missing_keys if k.startswith(prefixes) and k in dict(skeleton.named_parameters()))
+    if missing or info.unexpected_keys or info.mismatched_keys or info.conversion_errors:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected "
+                         f"{sorted(info.unexpected_keys)[:5]}, mismatched {sorted(info.mismatched_keys)[:5]}, "
+                         f"conversion errors {info.conversion_errors}")
+    for module in parts.values():
+        module.to(dtype=dtype).eval().requires_grad_(False)
 
 
 def load_partial_target(name_or_path: str, layers, embed: bool, head: bool,
@@ -87,21 +122,28 @@ def load_partial_target(name_or_path: str, layers, embed: bool, head: bool,
     where = weight_files(folder)
     with torch.device("meta"):  # module structure only: no memory, no random init
         skeleton = AutoModelForCausalLM.from_config(config)
-    body = skeleton.model
-    held = {i: _materialise(body.layers[i], read_tensors(where, f"model.layers.{i}."), dtype, device)
-            for i in layers}
-    rotary = type(body.rotary_emb)(config).to(device)
+    body, family = skeleton.model, family_of(config)
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in where
-    embed_tokens = norm = lm_head = None
+    parts = {f"model.layers.{i}": body.layers[i] for i in layers}
     if embed or (head and tied):
-        embed_tokens = _materialise(body.embed_tokens, read_tensors(where, "model.embed_tokens."), dtype, device)
+        parts["model.embed_tokens"] = body.embed_tokens
     if head:
-        norm = _materialise(body.norm, read_tensors(where, "model.norm."), dtype, device)
+        parts[f"model.{family.norm}"] = getattr(body, family.norm)
+        if not tied:
+            parts["lm_head"] = skeleton.lm_head
+    if parts:
+        _load_converted(skeleton, where, parts, dtype, device)
+    held = {i: body.layers[i] for i in layers}
+    rotary = type(body.rotary_emb)(config).to(device)
+    embed_tokens = body.embed_tokens if "model.embed_tokens" in parts else None
+    norm = lm_head = None
+    if head:
+        norm = getattr(body, family.norm)
         if tied:  # the lm_head is the embedding matrix: share it, as transformers does
             lm_head = skeleton.lm_head.to_empty(device=device)
             lm_head.weight = embed_tokens.weight
         else:
-            lm_head = _materialise(skeleton.lm_head, read_tensors(where, "lm_head."), dtype, device)
+            lm_head = skeleton.lm_head
     try:
         generation = GenerationConfig.from_pretrained(folder)
         eos = generation.eos_token_id

@@ -42,18 +42,24 @@ def target_pass(target: Target, ids: torch.Tensor, anchors) -> tuple[dict[int, t
     assert ids.dim() == 2, ids.shape
     wanted, last = set(anchors), target.num_layers
     S = ids.shape[1]
-    hidden = target.embed_tokens(ids)
+    hidden = target.embed(ids)   # with the family's embedding multiplier
     out = {0: hidden} if 0 in wanted else {}
     positions = torch.arange(S, device=ids.device)
-    rope = target.rotary_emb(hidden, position_ids=positions[None])
+    ropes = {}   # per layer kind where the family has one rotary embedding per kind (gemma3)
     sdpa = getattr(target.config, "_attn_implementation", None) == "sdpa"
     masks = {}
     for layer_idx in range(last):
+        kind = target.kinds[layer_idx]
+        rope_key = kind if target.family.rope_per_kind else None
+        if rope_key not in ropes:
+            ropes[rope_key] = target.rotary_emb(hidden, positions[None], layer_type=kind)
         window = target.layer_window(layer_idx)
         if window not in masks:  # sdpa without a mask runs its fused causal kernel
             masks[window] = None if sdpa and window is None else attention_mask(positions, S, hidden.dtype, window)
-        hidden = target.layers[layer_idx](hidden, attention_mask=masks[window], position_ids=positions[None],
-                                          position_embeddings=rope)
+        mask = None if kind in ("linear_attention", "conv") else masks[window]   # recurrent: causal by nature
+        hidden = target.layers[layer_idx](hidden, attention_mask=mask, position_ids=positions[None],
+                                          position_embeddings=ropes[rope_key])
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if layer_idx + 1 in wanted:
             out[layer_idx + 1] = hidden
     return out, hidden
@@ -235,7 +241,7 @@ class BatchLoader:
         device = self.target.device
         parts = torch.from_numpy(stored).to(device)
         if 0 in self.anchors:  # the embedding is looked up, not stored
-            embed = self.target.embed_tokens(ids).float()[:, :, None]
+            embed = self.target.embed(ids).float()[:, :, None]
             parts = torch.cat([embed, parts], dim=2)
         last = torch.from_numpy(last).to(device)[score]
         return parts, last.to(self.target.dtype), torch.from_numpy(argmax).to(device)[score]

@@ -111,7 +111,7 @@ def teacher_logits(target: Target, head, last_hidden: torch.Tensor) -> torch.Ten
     """(N, H) pre-norm last hidden states -> (N, V_d) float32 target logits on the draft vocab."""
     weight, bias = head
     hidden = target.norm(last_hidden.to(weight.dtype))
-    return F.linear(hidden, weight, bias).float()
+    return target.scale_logits(F.linear(hidden, weight, bias))   # the family's logit scale / soft-cap
 
 
 @torch.no_grad()
