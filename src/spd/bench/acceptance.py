@@ -32,6 +32,17 @@ def sequence_snapshots(target: Target, sequence: list[int], anchors) -> dict:
 
 
 @torch.inference_mode()
+def sequence_features(target: Target, sequence: list[int], anchors) -> tuple[torch.Tensor, torch.Tensor]:
+    """((S+1, m, H) anchor features table, (S, H) pre-norm last-layer states) from one forward."""
+    last = target.num_layers
+    snapshots = sequence_snapshots(target, sequence, set(anchors) | {last})
+    features = torch.zeros(len(sequence) + 1, len(anchors), target.hidden_size, device=target.device,
+                           dtype=target.dtype)
+    store_snapshots(features, slice(0, len(sequence)), snapshots, {a: i for i, a in enumerate(anchors)})
+    return features, snapshots[last]
+
+
+@torch.inference_mode()
 def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[int],
            n_stages: int, snapshots: dict | None = None) -> SPDStats:
     """SPD statistics (cycles, accepted, rejected) for greedy decoding of `continuation`.

@@ -5,9 +5,9 @@ length L and the PDM's top-1 probability p. It only matters where the two disagr
 we look at the training positions where both exist and disagree, and pick the threshold t_L that
 maximises right drafts: retrieval when p < t_L, else the PDM (t_L = 0: never retrieval; t_L > 1:
 always, and the PDM forward is skipped). The positions come from the target's own greedy
-continuations of training prompts (never the evaluation prompts), walked with the engine's
-schedule by `spd.bench.acceptance.replay`, so the PDM sees exactly the features it sees when
-decoding.
+next tokens along training conversations (never the evaluation prompts): one target forward
+gives the features of every position and the token the target would emit after each prefix,
+and the PDM drafts each position from the saturated pipeline's features, as when decoding.
 
 `spd gate --model M --pdm FOLDER --data chat.jsonl` writes the fitted gate beside the PDM
 (`retrieval_gate.json`); checkpoints without one use `Gate()`'s documented defaults.
@@ -38,41 +38,32 @@ class GateRecord:
     pdm_right: bool
 
 
-class RecordingDrafter:
-    """Drafts like the PDM alone and notes, per draft, what retrieval and the PDM proposed."""
-
-    after_stages = False
-    last_source = "pdm"
-
-    def __init__(self, pdm, max_len: int):
-        from ..drafters import PDMDrafter
-
-        self.pdm_drafter, self.anchors = PDMDrafter(pdm), pdm.anchors
-        self.index, self.max_len = SuffixIndex(max_len), max_len
-        self.notes: list[tuple[int, int | None, int, int, float]] = []  # position, r, L, top1, p
-
-    def begin(self, prompt_len: int) -> None:
-        self.pdm_drafter.begin(prompt_len)
-        self.index, self.notes = SuffixIndex(self.max_len), []
-
-    def draft(self, state, params, gen):
-        self.index.sync(state.tokens, state.first_inflight)
-        retrieved, match_len = self.index.lookup()
-        p, top1 = torch.softmax(self.pdm_drafter.logits(state), -1).max(-1)
-        self.notes.append((state.newest + 1, retrieved, match_len, int(top1), float(p)))
-        return int(top1), None
-
-
-def gate_records(target, pdm, prompt_ids: list[int], continuation: list[int], max_len: int = 8
+@torch.inference_mode()
+def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_len: int = 8
                  ) -> list[GateRecord]:
-    """Disagreements between retrieval and the PDM along one greedy continuation."""
-    from ..bench.acceptance import replay
+    """Disagreements between retrieval and the PDM along one training conversation.
 
-    drafter = RecordingDrafter(pdm, max_len)
-    replay(target, drafter, prompt_ids, continuation, pdm.config.n_stages)
-    sequence = list(prompt_ids) + list(continuation)
-    return [GateRecord(length, p, r == sequence[pos], top1 == sequence[pos])
-            for pos, r, length, top1, p in drafter.notes if r is not None and r != top1]
+    One target forward over prompt + answer gives the anchor features of every position and the
+    target's own next token after each prefix (what verification would accept). Each answer
+    position is then drafted as in the saturated pipeline (n in flight), as the engine would
+    draft it after that prefix."""
+    from ..bench.acceptance import sequence_features
+    from ..drafters import DraftState, PDMDrafter
+
+    n, sequence = pdm.config.n_stages, list(prompt_ids) + list(answer_ids)
+    features, last_hidden = sequence_features(target, sequence, pdm.anchors)
+    target_next = target.logits(last_hidden).argmax(-1).tolist()   # target's token after each prefix
+    drafter, index = PDMDrafter(pdm), SuffixIndex(max_len)
+    drafter.begin(len(prompt_ids))
+    records = []
+    for t in range(len(prompt_ids), len(sequence) - 1):
+        state = DraftState(sequence[:t + 1], max(len(prompt_ids), t - n + 1), n, features)
+        index.sync(state.tokens, t)
+        retrieved, length = index.lookup()
+        p, top1 = torch.softmax(drafter.logits(state), -1).max(-1)
+        if retrieved is not None and retrieved != int(top1):
+            records.append(GateRecord(length, float(p), retrieved == target_next[t], int(top1) == target_next[t]))
+    return records
 
 
 def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, fitted_on: str = "") -> Gate:
@@ -105,84 +96,76 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
                 fitted_on=fitted_on)
 
 
-@torch.inference_mode()
-def greedy_continuations(model_path: str, prompts: list[list[int]], max_new_tokens: int, eos,
-                         batch: int = 16, pad_id: int = 0) -> list[list[int]]:
-    """The target's greedy continuation of every prompt (batched `generate`, left padding),
-    cut after the first EOS."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # similar lengths together
-    out: list[list[int] | None] = [None] * len(prompts)
-    for start in tqdm(range(0, len(order), batch), desc="greedy continuations"):
-        chunk = order[start:start + batch]
-        width = max(len(prompts[i]) for i in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in chunk])
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk])
-        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad_id)
-        for row, i in zip(gen[:, width:].tolist(), chunk):
-            out[i] = row[:next((j + 1 for j, t in enumerate(row) if t in eos), len(row))]
-    return out
-
-
-def first_user_turns(path: Path, skip: int, count: int) -> list[str]:
-    """User prompts of lines skip..skip+count of a chat JSONL file ({"messages": [...]})."""
-    prompts = []
+def conversations(path: Path, skip: int, count: int) -> list[list[dict]]:
+    """Messages of lines skip..skip+count of a chat JSONL file ({"messages": [...]}) that hold a
+    user turn followed by an assistant turn (the first two turns are used)."""
+    out = []
     with open(path) as f:
         for i, line in enumerate(f):
             if i < skip:
                 continue
-            if len(prompts) == count:
+            if len(out) == count:
                 break
             messages = json.loads(line).get("messages") or []
-            user = next((m["content"] for m in messages if m.get("role") == "user"), None)
-            if user:
-                prompts.append(user)
-    if not prompts:
-        raise ValueError(f"{path} has no user turns after line {skip}: give a chat JSONL file with "
-                         f'{{"messages": [{{"role": "user", ...}}]}} lines, or a smaller --skip')
-    return prompts
+            roles = [m.get("role") for m in messages[:2]]
+            if roles == ["user", "assistant"]:
+                out.append(messages[:2])
+    if not out:
+        raise ValueError(f"{path} has no user + assistant conversations after line {skip}: give a chat "
+                         f'JSONL file of {{"messages": [{{"role": "user", ...}}, {{"role": "assistant", ...}}]}} '
+                         f"lines, or a smaller --skip")
+    return out
+
+
+def split_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(prompt ids as the engine gets them, answer ids) of one user + assistant exchange."""
+    from ..loading import encode_prompt
+
+    prompt = encode_prompt(tokenizer, messages[0]["content"])
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = tokenizer.encode(full, add_special_tokens=False)
+    if ids[:len(prompt)] != prompt:
+        raise ValueError("the chat template renders the user turn differently inside a conversation; "
+                         "spd gate needs a template whose prompt is a prefix of the conversation")
+    return prompt, ids[len(prompt):]
 
 
 def gate(
     model: str = typer.Option(..., help="The target: folder, hub id, or 'default'."),
     pdm: list[str] = typer.Option(..., help="PDM checkpoint folder; the fitted gate is saved into it "
-                                  "(repeat for several PDMs of the same target: one set of continuations)."),
+                                  "(repeat for several PDMs of the same target)."),
     data: Path = typer.Option(..., help="Chat JSONL of TRAINING conversations (never evaluation prompts)."),
     skip: int = typer.Option(0, help="Skip this many lines first (e.g. the ones the PDM trained on)."),
-    prompts: int = typer.Option(160, min=1, help="Prompts to decode and fit on."),
-    max_new_tokens: int = typer.Option(256, min=1, help="Greedy tokens per prompt."),
+    conversations_count: int = typer.Option(300, "--conversations", min=1, help="Conversations to fit on."),
     max_len: int = typer.Option(8, min=1, help="Longest match length the gate tells apart."),
     min_count: int = typer.Option(20, min=1, help="Fewest disagreements to fit a length on its own."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     dry_run: bool = typer.Option(False, help="Print the gate without saving it."),
 ):
     """Fit the hybrid drafter's retrieval gate for a PDM on training conversations and save it
-    beside the PDM (retrieval_gate.json). Prints the gate and its right-draft rate on the data."""
+    beside the PDM (retrieval_gate.json). Along each conversation the target's own next token is
+    the truth; prints the gate and how many drafts it gets right where retrieval and PDM disagree."""
     from ..checkpoint import load_pdm
     from ..cli import fail
-    from ..default_target import resolve_model_path
-    from ..loading import encode_prompt
     from ..target import load_target
 
     if threads:
         torch.set_num_threads(threads)
     try:
-        texts = first_user_turns(data, skip, prompts)
+        chats = conversations(data, skip, conversations_count)
         target, tokenizer = load_target(model)
+        if tokenizer is None:
+            raise ValueError(f"{model} has no tokenizer: spd gate renders conversations with it")
         nets = {Path(folder): load_pdm(folder, target) for folder in pdm}
+        pairs = [split_conversation(tokenizer, messages) for messages in chats]
     except (ValueError, OSError) as err:
         fail(str(err))
-    ids = [encode_prompt(tokenizer, text) for text in texts]
-    continuations = greedy_continuations(resolve_model_path(model), ids, max_new_tokens, set(target.eos_token_ids))
     for folder, net in nets.items():
         records = []
-        for prompt, cont in tqdm(list(zip(ids, continuations)), desc=f"replaying {folder.name}"):
-            records += gate_records(target, net, prompt, cont, max_len)
-        fitted = fit_gate(records, max_len, min_count, fitted_on=f"{data.name} lines {skip}..{skip + len(texts) - 1}"
-                          f" (greedy, {max_new_tokens} tokens), {len(records)} disagreements")
+        for prompt, answer in tqdm(pairs, desc=f"replaying {folder.name}"):
+            records += gate_records(target, net, prompt, answer, max_len)
+        fitted = fit_gate(records, max_len, min_count, fitted_on=f"{data.name} lines {skip}.. ({len(pairs)} "
+                          f"conversations, {len(records)} disagreements)")
         gated = sum(r.retrieval_right if fitted.takes_retrieval(r.match_len, r.pdm_top1) else r.pdm_right
                     for r in records)
         typer.echo(f"{folder}: {json.dumps(fitted.__dict__)}")
