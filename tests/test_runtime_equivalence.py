@@ -1,7 +1,7 @@
 """Distributed SPD (gloo, CPU, one process per stage) == single-process engine == AR, token for token.
 
 n=2 and n=3, draft rank separate and co-located with stage 0; oracle (all accepted), adversarial
-(all rejected), PDM and seeded-sampling runs; EOS while drafts are still in flight; budgets
+(all rejected), PDM, hybrid (the run's default drafter), retrieval and seeded-sampling runs; EOS while drafts are still in flight; budgets
 shorter than the pipeline. Each rank must hold exactly its own parameters.
 """
 
@@ -14,6 +14,7 @@ from spd.checkpoint import load_pdm, save_pdm
 from spd.drafters import AdversarialDrafter, OracleDrafter, PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
+from spd.retrieval import Gate, HybridDrafter, RetrievalDrafter
 from spd.runtime import plan, start
 from spd.runtime.faults import read_status
 from spd.runtime.weights import parameter_count
@@ -64,7 +65,9 @@ def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahea
         """The same drafter twice: for the distributed run and for the engine."""
         yield "oracle", OracleDrafter(reference), OracleDrafter(reference)
         yield "adversarial", AdversarialDrafter(reference, full.vocab_size), AdversarialDrafter(reference, full.vocab_size)
-        yield "pdm", session.default_drafter(), PDMDrafter(local_pdm)
+        yield "pdm", session.drafter("pdm"), PDMDrafter(local_pdm)
+        yield "hybrid", session.default_drafter(), HybridDrafter(local_pdm, Gate())   # the run's default
+        yield "retrieval", session.drafter("retrieval"), RetrievalDrafter()
 
     spec = plan(str(folder / "model"), stages=n, draft_rank=draft_rank, pdm=str(pdm_dir), timeout=20, threads=1,
                 lookahead=lookahead)
@@ -78,6 +81,7 @@ def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahea
                 assert ours.tokens == theirs.tokens == reference, (kind, prompt)
                 a, b = ours.stats, theirs.stats
                 assert (a.accepted, a.rejected) == (b.accepted, b.rejected), kind
+                assert a.drafts_by_source == b.drafts_by_source, kind
                 if lookahead == "on":   # every rejection, and the end, wastes the cycle issued ahead
                     assert b.cycles + b.rejected <= a.cycles <= b.cycles + b.rejected + 1, kind
                 elif lookahead == "off":
@@ -104,9 +108,10 @@ def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahea
         assert session.generate(prompt, OracleDrafter(reference), max_new_tokens=NEW, eos_token_ids=()).tokens == reference
 
         sampled = SamplingParams(temperature=0.9, top_k=20, seed=7)
-        ours = session.generate(prompt, session.default_drafter(), sampled, max_new_tokens=NEW, eos_token_ids=())
-        theirs = generate(full, PDMDrafter(local_pdm), prompt, stages, sampled, max_new_tokens=NEW, eos_token_ids=())
-        assert ours.tokens == theirs.tokens
+        for kind, engine_drafter in (("pdm", PDMDrafter(local_pdm)), ("hybrid", HybridDrafter(local_pdm, Gate()))):
+            ours = session.generate(prompt, session.drafter(kind), sampled, max_new_tokens=NEW, eos_token_ids=())
+            theirs = generate(full, engine_drafter, prompt, stages, sampled, max_new_tokens=NEW, eos_token_ids=())
+            assert ours.tokens == theirs.tokens, kind
 
 
 def test_colocated_single_stage_is_one_process(checkpoint):
