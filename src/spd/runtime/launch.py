@@ -86,7 +86,7 @@ def plan(model: str, stages: int | None = None, split: list[int] | None = None, 
         split = list(pdm_config.stage_layers)
     if split is not None and stages is not None and len(split) != stages:
         raise LayoutError(f"--split has {len(split)} counts ({split}) but --stages is {stages}")
-    n = len(split) if split is not None else (stages or 2)
+    n = len(split) if split is not None else (stages if stages is not None else 2)
     layout = Layout.of(num_layers, n, split, draft_rank)
     counts = tuple(len(s) for s in layout.stages)
     if pdm_config is not None:

@@ -33,7 +33,7 @@ def serve(
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health) over SPD."""
     from ..cli import _setup, fail
 
-    _setup(threads if not distributed else None, verbose)
+    _setup(threads, verbose, set_threads=not distributed)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
