@@ -48,7 +48,9 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # shifted first (softmax does not change) and a temperature that float32 keeps above 0: a tiny
+    # temperature gives 0 for the top logit and -inf below it, never inf - inf
+    logits = (logits - logits.max()) / max(params.temperature, torch.finfo(logits.dtype).tiny)
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI-compatible routes over the worker, errors, streaming, and `run()`.
 
 Every generation request is checked (model, n, prompt length) before it takes a queue slot, so
-the errors come back as plain HTTP statuses: 400 for a request this server cannot serve, 404
-for another model, 422 for a body that does not parse, 429 when the queue is full. A client
-that goes away (mid-stream, or while waiting) cancels its job.
+the errors come back as plain HTTP statuses, always in OpenAI's error JSON: 400 for a body that
+does not parse or a request this server cannot serve (`param` names the field), 404 for another
+model, 429 when the queue is full, 503 while the pipeline is down; a 500 only for a server fault.
+A client that goes away (mid-stream, or while waiting) cancels its job.
 """
 
 from __future__ import annotations
@@ -44,16 +45,21 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
-        headers = {"Retry-After": "1"} if err.status == 429 else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, err: RequestValidationError):
-        return JSONResponse(APIError(422, describe(err.errors())).body(), status_code=422)
+        errors = err.errors()
+        return error_response(APIError(400, describe(errors), error_param(errors)))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, err: HTTPException):
-        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+        return error_response(APIError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(Exception)
+    async def server_fault(request, err: Exception):   # a bug, not a bad request: still OpenAI's JSON
+        log.error("unhandled error answering %s", request.url.path, exc_info=err)
+        return error_response(APIError(500, f"internal server error: {type(err).__name__}", kind="server_error"))
 
     @app.get("/health")
     async def health():
@@ -82,10 +88,7 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
                        asked: int | None, default: int | None, chat: bool):
         """Check the request, queue its job, and answer as one body or as a stream."""
         check_request(backend, body, prompt_ids)
-        try:
-            params = body.sampling()
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
+        params = body.sampling()
         budget = completion_budget(len(prompt_ids), asked, default, backend.max_model_len)
         eos = () if body.ignore_eos else backend.eos_token_ids
         job = Job(prompt_ids, params, budget, eos, body.stop_strings(), asyncio.get_running_loop())
@@ -100,6 +103,31 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
         return JSONResponse(await collect(job, request, shape))
 
     return app
+
+
+class ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: a message that quotes a client's lone surrogate still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content).encode("ascii")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return ErrorJSON(err.body(), status_code=err.status, headers=headers)
+
+
+def error_param(errors: list[dict]) -> str | None:
+    """The request field the first validation error is about (OpenAI's `param`): 'temperature',
+    'messages[0]'; None when the body as a whole is wrong (not JSON, not an object)."""
+    for e in errors:
+        loc = e["loc"][1:] if e["loc"] and e["loc"][0] == "body" else e["loc"]
+        if e["type"] == "json_invalid" or not loc or not isinstance(loc[0], str):
+            continue
+        if len(loc) > 1 and isinstance(loc[1], int):
+            return f"{loc[0]}[{loc[1]}]"
+        return loc[0]
+    return None
 
 
 def describe(errors: list[dict]) -> str:
@@ -121,6 +149,9 @@ def check_request(backend, body: SamplingFields, prompt_ids: list[int]) -> None:
     if body.n != 1:
         raise APIError(400, f"n={body.n}: SPD decodes one sequence at a time; send n=1 "
                             f"(or n separate requests)", "n")
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty once tokenized (no tokens); send some text or token ids",
+                       "prompt")
     bad = [i for i in prompt_ids if not 0 <= i < backend.vocab_size]
     if bad:
         raise APIError(400, f"prompt token ids must lie in [0, {backend.vocab_size}); got {bad[:5]}",
