@@ -17,9 +17,10 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI, Request   # the ASGI app: routes, pydantic bodies, OpenAPI docs
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .metrics import render as render_metrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, SamplingFields, Shape,
                        chat_prompt_ids, completion_budget, completion_prompt_ids)
 from .worker import Job, QueueFull, Scheduler
@@ -63,9 +64,16 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        state = {"status": "ok" if backend.alive else "failed", "model": backend.name,
-                 "n_stages": backend.n_stages, **scheduler.snapshot()}
-        return JSONResponse(state, status_code=200 if backend.alive else 503)
+        status = backend.state   # ok; recovering (stages restarting); failed (for good)
+        state = {"status": status, "model": backend.name, "n_stages": backend.n_stages,
+                 "restarts": backend.restarts, **scheduler.snapshot()}
+        if status != "ok":
+            state["reason"] = backend.failure
+        return JSONResponse(state, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(backend, scheduler), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -140,9 +148,9 @@ def describe(errors: list[dict]) -> str:
 
 
 def check_request(backend, body: SamplingFields, prompt_ids: list[int]) -> None:
-    if not backend.alive:
-        raise APIError(503, "the decoding pipeline failed (a stage process is gone; see the server "
-                            "log) and this server cannot decode any more: restart it", None, "server_error")
+    if backend.state == "failed":   # while "recovering", requests wait in the queue for the restart
+        raise APIError(503, f"the decoding pipeline failed and this server cannot decode any more: "
+                            f"{backend.failure}", None, "server_error")
     if body.model is not None and body.model != backend.name:
         raise APIError(404, f"model {body.model!r} is not served here; this server serves "
                             f"{backend.name!r} (see /v1/models)", "model", "not_found_error")
