@@ -22,11 +22,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:   # torch seeds are 64-bit
+            raise ValueError(f"seed must fit in 64 bits (e.g. 0 to 2**63 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -46,7 +48,9 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # shifted first (softmax does not change) and a temperature that float32 keeps above 0: a tiny
+    # temperature gives 0 for the top logit and -inf below it, never inf - inf
+    logits = (logits - logits.max()) / max(params.temperature, torch.finfo(logits.dtype).tiny)
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -30,7 +30,7 @@ def shipped_pdm(model: str, stages: int | None, split: list[int] | None) -> str 
         return None
     from .target import split_layers
 
-    n = len(split) if split is not None else (stages or 2)
+    n = len(split) if split is not None else (stages if stages is not None else 2)
     folder = shipped_pdm_dir([len(s) for s in split_layers(30, n, split)])
     return str(folder) if (folder / "pdm_config.json").is_file() else None
 

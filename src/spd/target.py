@@ -24,7 +24,7 @@ from .families import (FAMILIES, RECURRENT_KINDS, Family, Rotary, UnsupportedMod
 def split_layers(num_layers: int, n_stages: int, counts: list[int] | None = None) -> list[range]:
     """Cut layers 0..L-1 into n contiguous stages: the most even split, or per-stage counts."""
     if n_stages < 1:
-        raise ValueError(f"need at least 1 stage, got n={n_stages}")
+        raise ValueError(f"need at least 1 stage (--stages 1 or more), got n={n_stages}")
     if n_stages > num_layers:
         raise ValueError(f"n={n_stages} stages but the model has only {num_layers} layers; "
                          f"use at most {num_layers} stages")

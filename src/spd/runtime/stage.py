@@ -79,7 +79,7 @@ class StageWorker:
             self.cycle_seconds, self.prefill_seconds = [], 0.0
             hidden = given if given is not None else self.link.recv(
                 (1, length, self.target.hidden_size), self.target.dtype, self.upstream,
-                "the prompt's hidden states")
+                "the prompt's hidden states", patient=True)   # behind the upstream stages' prefill
             positions = torch.arange(length, device=self.link.device)
         else:
             position = command.position(self.k)
@@ -94,6 +94,9 @@ class StageWorker:
                 assert carried is not None and carried[0] == position, (self.k, carried, command)
                 hidden = carried[1]
             positions = torch.tensor([position], device=self.link.device)
+        # the board said "waiting for ..." during the receive: say computing again (a peer waiting
+        # on this stage keeps waiting while it computes, see protocol.Link._wait_patiently)
+        self.link.on_wait("computing prefill" if command.op == Op.PREFILL else "computing")
         t = now(self.link.device)
         out, snapshots = self.target.run_layers(hidden, positions, self.stage, self.cache, self.record)
         elapsed = now(self.link.device) - t
