@@ -4,6 +4,8 @@
 The pipeline is the run of in-flight tokens at consecutive positions first_inflight..newest;
 the token at position p has depth newest - p and runs stage newest - p this cycle. Every layer's
 KV cache holds all positions before the token that runs it, because older tokens are deeper.
+With a tree width W > 1 each position (pipeline level) holds up to W candidates whose branches
+share the caches under a tree attention mask (spd.tree); W = 1 is the plain chain.
 
 Lossless by construction: every emitted token is an accepted draft or the target's own token
 from the same prefix and cache that plain decoding would use (SPEC sections 2 and 5).
@@ -119,8 +121,10 @@ class Pipeline:
     """One sequence's schedule state (SPEC section 2): every token so far and which are in flight.
 
     In-flight tokens sit at positions first_inflight..newest; the one at position p has depth
-    newest - p and runs stage newest - p in this cycle's stage step. Pure bookkeeping: the loop
-    below and the distributed controller (spd.runtime) drive their cycles with the same calls.
+    newest - p and runs stage newest - p in this cycle's stage step. Pure bookkeeping for the
+    distributed controller (spd.runtime), which runs the chain (W = 1); `stream` below runs the
+    token tree of spd.tree, whose W = 1 case is this same schedule (tests/test_runtime_equivalence
+    checks the two give the same tokens and counts).
     """
 
     tokens: list[int]              # prompt, verified tokens, in-flight drafts (the caller's list)
