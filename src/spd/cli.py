@@ -64,6 +64,8 @@ def generate(
                                           "the PDM, a fitted gate picks), pdm, or retrieval (no PDM needed). Default: "
                                           "hybrid when a PDM is given or ships, else retrieval."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
+    tree_width: int = typer.Option(1, min=1, help="Candidate drafts kept per pipeline level (1 = one chain; "
+                                   "W > 1: a token tree, single process, attention-only targets)."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus filter (1 = off)."),
@@ -84,6 +86,8 @@ def generate(
 ):
     """Generate with SPD (in one process, or --distributed); print the text and the decode statistics."""
     _setup(threads, verbose, set_threads=not distributed)
+    if distributed and tree_width > 1:
+        fail("--tree-width > 1 runs in one process only for now; drop --distributed or use width 1")
     if distributed:
         return _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k,
                                      top_p, seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank,
@@ -107,7 +111,12 @@ def generate(
     eos = () if ignore_eos else dec.target.eos_token_ids
     stream_text = dec.tokenizer is not None and not as_json
     on_token = TextStream(dec.tokenizer) if stream_text else None
-    result = engine.generate(dec.target, dec.drafter(), ids, dec.stages, params, max_new_tokens, eos, on_token)
+    from .tree import TreeConfig
+    try:
+        result = engine.generate(dec.target, dec.drafter(), ids, dec.stages, params, max_new_tokens, eos, on_token,
+                                 tree=TreeConfig(tree_width))
+    except ValueError as err:   # a width the target or drafter cannot run
+        fail(str(err))
     out = {"text": dec.tokenizer.decode(result.tokens, skip_special_tokens=True) if dec.tokenizer else None,
            "token_ids": result.tokens, "stats": result.stats.to_dict()}
     if compare_ar:
@@ -185,7 +194,8 @@ def _print_stats(stats, stage_layers, out) -> None:
     lines = [f"stages n={s.n_stages} split={','.join(map(str, stage_layers))}",
              f"new tokens {s.new_tokens}  cycles {s.cycles}  accepted {s.accepted}  rejected {s.rejected}",
              f"acceptance rate (tokens/cycle) {s.acceptance_rate:.3f}  per-draft acceptance "
-             f"{s.per_draft_acceptance:.3f}  equivalent accept length {s.equivalent_accept_length:.2f}",
+             f"{s.per_draft_acceptance:.3f}  equivalent accept length {s.equivalent_accept_length:.2f}"
+             + (f"  tree width {s.tree_width} (mean used {s.mean_width:.2f})" if s.tree_width > 1 else ""),
              "drafts by source: " + (", ".join(f"{name} {c['share']:.0%} (accepted {c['acceptance']:.2f})"
                                                for name, c in s.source_acceptance().items()) or "none"),
              f"decode {s.decode_seconds:.2f}s ({s.decode_tokens_per_second:.1f} tok/s)  draft {s.pdm_seconds:.2f}s  "

@@ -99,3 +99,34 @@ def verify(draft: int, draft_q: torch.Tensor | None, target_logits: torch.Tensor
     q = draft_q if draft_q is not None else torch.nn.functional.one_hot(
         torch.tensor(draft), p.shape[-1]).float()  # a drafter without q is a point mass
     return verify_sample(draft, p, q.to(p.device), gen)
+
+
+def verify_multi(candidates: list[tuple[int, torch.Tensor | None]], target_logits: torch.Tensor,
+                 params: SamplingParams, gen: torch.Generator) -> tuple[int | None, int]:
+    """Verify several candidate drafts for one position (a token tree's children); returns
+    (index of the accepted candidate or None, emitted token).
+
+    Greedy: the candidate equal to the target's argmax. Sampling: multi-draft (recursive)
+    rejection as in SpecInfer: candidate i, proposed by q_i (None: a point mass), is accepted with
+    min(1, r(x)/q_i(x)) under the current residual r (first r = p); a rejection replaces r by
+    normalize(max(0, r - q_i)); when all are rejected the token is drawn from the last r. Each
+    step preserves r, so the output law is p. A single candidate is exactly `verify`.
+    """
+    if len(candidates) == 1:
+        accepted, token = verify(*candidates[0], target_logits, params, gen)
+        return (0 if accepted else None), token
+    if params.greedy:
+        best = int(target_logits.argmax())
+        return next((i for i, (x, _) in enumerate(candidates) if x == best), None), best
+    residual = probs(target_logits, params)
+    for i, (draft, q) in enumerate(candidates):
+        q = torch.nn.functional.one_hot(torch.tensor(draft), residual.shape[-1]).float() if q is None else q
+        q = q.to(residual.device)
+        r_x, q_x = float(residual[draft]), float(q[draft])
+        u = float(torch.rand((), generator=gen, device=residual.device))
+        if q_x > 0 and u < min(1.0, r_x / q_x):
+            return i, draft
+        nxt = torch.clamp(residual - q, min=0)
+        if float(nxt.sum()) > 0:   # all zero: r == q up to rounding, r itself stays the law
+            residual = nxt / nxt.sum()
+    return None, int(torch.multinomial(residual, 1, generator=gen))
