@@ -111,20 +111,24 @@ class StageWorker:
             assert carried is not None and carried[0] == position, (self.k, carried, command)
             hidden = carried[1]
         t = now(self.link.device)
-        out, snapshots = self._run(hidden, torch.tensor([position], device=self.link.device), command)
+        out, snapshots = self._run(hidden, torch.tensor([position], device=self.link.device))
+        verdict = self._verdict(out, command)
         self.cycle_seconds.append(now(self.link.device) - t)
-        return self._report([snapshots])
+        return self._report([snapshots], verdict)
 
-    def _run(self, hidden, positions, command: Command, finished: bool = True):
-        """Run this stage's layers; pass the output downstream; at the head, send the verdict input."""
+    def _run(self, hidden, positions):
+        """Run this stage's layers and pass the output downstream at once."""
         out, snapshots = self.target.run_layers(hidden, positions, self.stage, self.cache, self.record)
         if self.downstream is not None:
             self.link.send(out, self.downstream, "the output of stage %d" % self.k)
-        if self.head and finished:   # the finished token's logits -> what rank 0 verifies with
-            logits = self.target.logits(out[0, -1])
-            verdict = logits if command.sample else logits.argmax().reshape(1)
-            self.link.send(verdict, CONTROL_RANK, "the verdict input of stage %d" % self.k)
         return out, snapshots
+
+    def _verdict(self, out: torch.Tensor, command: Command) -> torch.Tensor | None:
+        """At the head: the finished (last) position's logits when sampling, else their argmax."""
+        if not self.head:
+            return None
+        logits = self.target.logits(out[0, -1])
+        return logits if command.sample else logits.argmax().reshape(1)
 
     def _prefill(self, command: Command, given: torch.Tensor | None) -> torch.Tensor | None:
         """The prompt, chunk by chunk: receive a chunk, run it, pass it on at once (see module doc)."""
@@ -141,18 +145,24 @@ class StageWorker:
                 f"the prompt's positions {span.start}..{span.stop - 1}")
             t = now(self.link.device)
             positions = torch.arange(span.start, span.stop, device=self.link.device)
-            _, snaps = self._run(hidden, positions, command, finished=span.stop == length)
-            self.prefill_seconds += now(self.link.device) - t
+            out, snaps = self._run(hidden, positions)
             snapshots.append(snaps)
-        return self._report(snapshots)
+            self.prefill_seconds += now(self.link.device) - t
+        t = now(self.link.device)
+        verdict = self._verdict(out, command)
+        self.prefill_seconds += now(self.link.device) - t
+        return self._report(snapshots, verdict)
 
-    def _report(self, snapshots: list[dict]) -> torch.Tensor | None:
-        """(r, q, H) anchor rows over the positions just run; sent to rank 0 unless it runs here."""
-        if not self.rows:
-            return None
-        report = torch.stack([torch.cat([snaps[i] for snaps in snapshots]) for i in self.rows])
-        if not self.local:
-            self.link.send(report, CONTROL_RANK, "the report of stage %d" % self.k)
+    def _report(self, snapshots: list[dict], verdict: torch.Tensor | None) -> torch.Tensor | None:
+        """Send rank 0 the (r, q, H) anchor rows over the positions just run (returned instead when
+        this stage runs in rank 0), then the verdict input: rank 0 receives them in this order."""
+        report = None
+        if self.rows:
+            report = torch.stack([torch.cat([snaps[i] for snaps in snapshots]) for i in self.rows])
+            if not self.local:
+                self.link.send(report, CONTROL_RANK, "the report of stage %d" % self.k)
+        if verdict is not None:
+            self.link.send(verdict, CONTROL_RANK, "the verdict input of stage %d" % self.k)
         return report
 
     def skip(self, command: Command) -> None:
