@@ -25,6 +25,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import typer   # the `spd plan` options (the command lives at the end of this module)
 
 LAYOUTS = (("with-first-stage", "last"), ("with-first-stage", "control"), ("separate", "last"),
            ("separate", "control"))
@@ -337,3 +340,52 @@ def measure_costs(target, drafters: dict, context: int = 64, reps: int = 21, bus
                  draft_ms={name: 1000.0 * t for name, t in zip(names, times[2:])},
                  cores=cores if cpu else None, contention=max(1.0, contention),
                  ar_all_cores_ms=1000.0 * ar_all if ar_all else None, device=str(target.device))
+
+
+def plan_command(
+    model: str = typer.Option("default", help="Target to measure on this device (ignored with --costs)."),
+    costs_file: Optional[str] = typer.Option(None, "--costs", help="Costs JSON (from --save-costs, or written by hand "
+                                             "for other hardware: num_layers, layer_ms, head_ms, message_ms, draft_ms, "
+                                             "cores (null: one device per rank), contention, ar_all_cores_ms)."),
+    save_costs: Optional[str] = typer.Option(None, help="Write the measured costs here."),
+    acceptance: str = typer.Option("0.6", help="Per-draft acceptance, one value or one per fill (1..n), e.g. 0.3,0.6; "
+                                   "or a JSON file with verified_by_fill / accepted_by_fill (generate --json stats, "
+                                   "or a bench wallclock drafter entry)."),
+    drafter: str = typer.Option("pdm", help="Whose draft cost applies: pdm, hybrid, oracle (0)."),
+    max_n: int = typer.Option(4, min=1, help="Predict n = 1..max_n."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens per sequence (adds the first refill); default: long."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Predict distributed SPD's tokens/s and speedup for every n and layout from per-part costs; recommend one."""
+    from pathlib import Path
+
+    if costs_file is not None:
+        costs = Costs.from_json(Path(costs_file).read_text())
+    else:
+        from ..checkpoint import load_pdm, read_config
+        from ..retrieval import Gate, make_drafter
+        from ..shipped import shipped_pdm
+        from ..target import load_target
+        from .costs import pipeline_draft_step
+
+        target, _ = load_target(model)
+        pdm = shipped_pdm(model, 2, None)
+        calls = {}
+        if pdm is not None:
+            n = len(read_config(pdm).stage_layers)
+            for name in ("pdm", "hybrid"):
+                calls[name] = pipeline_draft_step(target, make_drafter(name, load_pdm(pdm, target), Gate.load(pdm)), n, 64)
+        costs = measure_costs(target, calls)
+    if save_costs:
+        Path(save_costs).write_text(costs.to_json())
+    if Path(acceptance).is_file():
+        data = json.loads(Path(acceptance).read_text())
+        profile = acceptance_profile(data.get("stats", data))
+    else:
+        profile = [float(a) for a in acceptance.split(",")]
+    rows = plan_table(costs, profile, drafter, max_n, max_new_tokens)
+    if as_json:
+        print(json.dumps({"costs": asdict(costs), "acceptance_by_fill": profile,
+                          "predictions": [asdict(r) for r in rows]}, indent=2))
+    else:
+        print(format_table(rows, costs))
