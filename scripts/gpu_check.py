@@ -13,6 +13,7 @@ Any token mismatch exits 1 with the failing case named.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -29,7 +30,7 @@ from spd.engine import generate  # noqa: E402
 from spd.pdm import PDM  # noqa: E402
 from spd.target import Target, load_target, split_layers  # noqa: E402
 
-DEVICE = "cuda:0"
+DEVICE = os.environ.get("SPD_GPU_CHECK_DEVICE", "cuda:0")   # cpu: a dry run of this script's logic
 FAILURES: list[str] = []
 REPORT: dict = {}
 
@@ -67,8 +68,11 @@ def default_target() -> None:
     from spd.loading import encode_prompt
     from spd.shipped import shipped_pdm
 
+    from spd.runtime.weights import read_model_config
+
+    folder, _ = read_model_config("default")   # the converted SmolLM2-135M-Instruct
     for dtype in (torch.float32, torch.bfloat16):
-        target, tokenizer = load_target("default", dtype=dtype, device=DEVICE)
+        target, tokenizer = load_target(str(folder), dtype=dtype, device=DEVICE)
         prompt = encode_prompt(tokenizer, "Explain why the sky is blue in a few sentences.")
         pdm = load_pdm(shipped_pdm("default", 2, None), target)
         engine_cases(target, f"default {str(dtype).split('.')[-1]}", prompt, ns=(2,), new=64, pdm=pdm)
@@ -99,7 +103,7 @@ def distributed() -> None:
     reference, _ = ar_generate(full, prompt, max_new_tokens=24, eos_token_ids=())
     for n, draft_rank in ((2, "with-first-stage"), (2, "separate")):
         world = n + (draft_rank == "separate")
-        spec = plan(str(folder), stages=n, draft_rank=draft_rank, timeout=60, devices=(DEVICE,) * world, drafter="pdm")
+        spec = plan(str(folder), stages=n, draft_rank=draft_rank, timeout=60, devices=(DEVICE,) * world)
         try:
             with start(spec) as session:
                 t = time.perf_counter()
@@ -121,9 +125,10 @@ def distributed() -> None:
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA device")
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    if DEVICE.startswith("cuda"):
+        if not torch.cuda.is_available():
+            sys.exit("gpu_check: no CUDA device")
+        print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     parts = sys.argv[1:] or ["tiny", "default", "distributed"]
     for part in parts:
         t = time.perf_counter()
