@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spd.baselines.eagle as eagle
-import spd.engine
+import spd.tree
 from conftest import chi_square_p, tiny_model
 from spd.baselines.eagle import EagleHead, eagle_generate
 from spd.baselines.ppsd import PPSDDrafter, PPSDHead
@@ -89,7 +89,8 @@ def test_the_chi_square_test_fails_without_verification(setup, method, monkeypat
         monkeypatch.setattr(eagle, "verify", always)
         length, run = EAGLE_LENGTH, eagle_run(target)
     else:
-        monkeypatch.setattr(spd.engine, "verify", always)
+        # the engine verifies through spd.tree (the chain is its width-1 case)
+        monkeypatch.setattr(spd.tree, "verify_multi", lambda candidates, logits, params, gen: (0, candidates[0][0]))
         length, run = PPSD_LENGTH, ppsd_run(target)
     table = exact_distribution(model, SamplingParams(**PARAMS), length)
     total = 1_000

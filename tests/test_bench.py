@@ -13,7 +13,7 @@ from spd.bench.report import OVERALL
 from spd.cli import app
 from spd.target import Target
 
-METHODS = "ar,spd-n2,ppsd-n2,ppsd-n4,eagle-k2"
+METHODS = "ar,spd-n2,spd-n2+retrieval,ppsd-n2,ppsd-n4,eagle-k2,eagle-k2+retrieval"
 NEW = 10
 
 
@@ -80,7 +80,7 @@ def test_bench_run_writes_records_summary_and_plots(tmp_path, evals, model_dir):
     result = run_bench(config(out, evals, model_dir))
     assert result.greedy_mismatches == 0
     records = read_records(out / "per_prompt.jsonl")
-    assert len(records) == 5 * 2 * 5 == result.records == result.new_records  # prompts x T x methods
+    assert len(records) == 5 * 2 * 7 == result.records == result.new_records  # prompts x T x methods
     greedy = [r for r in records if r["temperature"] == 0 and r["kind"] != "ar"]
     assert greedy and all(r["matches_ar"] is True for r in greedy)
     assert all(r["new_tokens"] == NEW for r in records)
@@ -90,10 +90,18 @@ def test_bench_run_writes_records_summary_and_plots(tmp_path, evals, model_dir):
             assert len(r["verified_by_position"]) == r["n"]
         if r["kind"] == "eagle":
             assert r["new_tokens"] - 1 == r["target_forwards"] + r["accepted"]
+        if r["kind"] != "ar":   # every verified draft is counted under its source
+            by_source = r["drafts_by_source"]
+            assert sum(v for v, _ in by_source.values()) == r["verified"]
+            assert sum(a for _, a in by_source.values()) == r["accepted"]
+    sources = {r["method"]: set(r["drafts_by_source"]) for r in records if r["temperature"] == 0}
+    assert "retrieval" in sources["spd-n2+retrieval"] and "retrieval" in sources["eagle-k2+retrieval"]
+    assert "retrieval" not in sources["spd-n2"] | sources["eagle-k2"]
 
     rows = json.loads((out / "summary.json").read_text())
     run = json.loads((out / "run.json").read_text())
     assert set(run["methods"]) == set(METHODS.split(","))
+    assert {m for m, info in run["methods"].items() if "retrieval_ms" in info} == {"spd-n2+retrieval", "eagle-k2+retrieval"}
     assert {r["dataset"] for r in rows} == {"alpha", "beta", OVERALL}
     expected = recompute(records, run["methods"])
     for row in rows:
@@ -143,7 +151,9 @@ def test_cost_model_and_method_names():
     assert costs.decode_cost(eagle, 0.05) == pytest.approx(11.5)
     assert [s.name for s in parse_methods("spd-n4,eagle-k5,ppsd-n2")] == ["ar", "spd-n4", "eagle-k5", "ppsd-n2"]
     assert MethodSpec.parse("eagle-k3") == MethodSpec("eagle", k=3)
-    for bad in ("spd", "spd-n0", "eagle-3", "medusa"):
+    assert MethodSpec.parse("spd-n4+retrieval") == MethodSpec("spd", n=4, retrieval=True)
+    assert MethodSpec.parse("eagle-k5+retrieval").name == "eagle-k5+retrieval"
+    for bad in ("spd", "spd-n0", "eagle-3", "medusa", "ppsd-n2+retrieval", "ar+retrieval"):
         with pytest.raises(ValueError, match="unknown method"):
             MethodSpec.parse(bad)
     with pytest.raises(ValueError, match="twice"):

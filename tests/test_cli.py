@@ -140,3 +140,67 @@ def test_generate_drafter_choice(model_dir, tmp_path):
     assert code == 0 and "tokens identical" in err and "drafts by source:" in err
     code, _, err = run("--model", model_dir, "--prompt-ids", prompt, "--drafter", "ngram")
     assert code == 2 and "--drafter must be one of hybrid, pdm, retrieval" in err
+
+
+# --- every bad input is one `error:` line and exit 2, never a traceback ---
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny model with a tokenizer and a 64-token context, a good PDM, and broken copies of it."""
+    import shutil
+
+    from conftest import tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("bad-inputs")
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", num_layers=4, vocab=64, max_position_embeddings=64)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    save_pdm(PDM.create(Target.from_hf(model), [2, 2]), root / "pdm")
+    for name in ("truncated", "no_key", "not_json", "no_weights"):
+        shutil.copytree(root / "pdm", root / name)
+    weights = (root / "pdm" / "pdm.safetensors").read_bytes()
+    (root / "truncated" / "pdm.safetensors").write_bytes(weights[:len(weights) // 2])
+    config = json.loads((root / "pdm" / "pdm_config.json").read_text())
+    del config["anchors"]
+    (root / "no_key" / "pdm_config.json").write_text(json.dumps(config))
+    (root / "not_json" / "pdm_config.json").write_text("{'stage_layers': [2, 2]")
+    (root / "no_weights" / "pdm.safetensors").unlink()
+    return root
+
+
+LONG = ",".join(["5"] * 70)
+BAD_INPUTS = [
+    (["--pdm", "{root}/truncated"], "truncated/pdm.safetensors cannot be read"),
+    (["--pdm", "{root}/no_key"], "no_key/pdm_config.json lacks the field 'anchors'"),
+    (["--pdm", "{root}/not_json"], "not_json/pdm_config.json is not valid JSON"),
+    (["--pdm", "{root}/no_weights"], "no_weights/pdm.safetensors is missing"),
+    (["--prompt", "w \udcff w"], "--prompt is not valid UTF-8 text: the byte 0xff at character 2"),
+    (["--prompt", "", "--raw"], "the prompt is empty"),
+    (["--prompt-ids", ""], "--prompt-ids is empty"),
+    (["--prompt-ids", LONG], "the prompt is 70 tokens, but the model's context is 64 tokens"),
+    (["--prompt-ids", "5,6", "--max-new-tokens", "63"], "use --max-new-tokens 62 or less"),
+    (["--stages", "0"], "--stages must be at least 1; got 0"),
+    (["--top-p", "0", "--temperature", "1"], "top_p must be in (0, 1]"),
+    (["--seed", str(2**70), "--temperature", "1"], "seed must fit in 64 bits"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+    (["--model", "{root}/missing"], "missing: no such folder"),
+    (["--model", "{root}/model/config.json"], "is a file; give the model's folder"),
+]
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one-process", "distributed"])
+@pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[m.split(":")[0][:40] for _, m in BAD_INPUTS])
+def test_bad_input_is_one_error_line(chat_dir, args, message, distributed):
+    if distributed and "--device" in args:
+        pytest.skip("--device is the single-process engine's option")
+    args = [a.replace("{root}", str(chat_dir)) for a in args]
+    model = [] if "--model" in args else ["--model", str(chat_dir / "model")]
+    prompt = [] if any(a.startswith("--prompt") for a in args) else ["--prompt-ids", "5,6"]
+    result = runner.invoke(app, ["generate", *model, *prompt, "--max-new-tokens", "4", *args,
+                                 *(["--distributed"] if distributed else [])])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert message in errors[0] and "Traceback" not in result.output, result.output
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)

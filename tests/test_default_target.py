@@ -57,9 +57,17 @@ def test_greedy_chat_answers_are_right(default_model_dir):
     assert len(set(text.split())) >= 8 and sum(c.isalpha() for c in text) > len(text) / 2, text
 
 
-def test_resolve_passes_other_names_through():
-    assert dt.resolve_model_path("/some/model/dir") == "/some/model/dir"
-    assert dt.resolve_model_path("org/name") == "org/name"
+def test_resolve_passes_folders_and_hub_ids_through(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert dt.resolve_model_path(str(tmp_path)) == str(tmp_path)
+    assert dt.resolve_model_path("org/name") == "org/name"   # a hub id: transformers looks it up
+
+
+@pytest.mark.parametrize("name, message", [("/some/model/dir", "no such folder"), ("./typo", "no such folder"),
+                                           ("{tmp}", "has no config.json")])
+def test_resolve_names_a_missing_or_wrong_folder(tmp_path, name, message):
+    with pytest.raises(FileNotFoundError, match=message):
+        dt.resolve_model_path(name.replace("{tmp}", str(tmp_path)))
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):

@@ -36,7 +36,7 @@ PROMPT = [3, 17, 5, 9, 22]
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    model = tiny_model("llama", num_layers=6, seed=3)
+    model = tiny_model("llama", num_layers=6, seed=3, max_position_embeddings=32768)   # room for 20,000 new tokens
     model.save_pretrained(root / "model")
     (root / "config_only").mkdir()
     (root / "config_only" / "config.json").write_text((root / "model" / "config.json").read_text())
@@ -185,3 +185,28 @@ def test_torchrun_two_nodes_on_loopback(folders):
     assert result["token_ids"] == reference
     assert result["stage_layers"] == [3, 3] and result["stats"]["cycles"] > 0
     assert outputs[1][0].strip() == ""   # only rank 0 prints
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """Wide MLPs: each stage's prefill of a 3,000-token prompt computes for seconds on one thread."""
+    folder = tmp_path_factory.mktemp("slow") / "model"
+    model = tiny_model("llama", num_layers=4, hidden=64, intermediate_size=16384, max_position_embeddings=4096, seed=5)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+@pytest.mark.parametrize("draft_rank", ["separate", "with-first-stage"])
+def test_a_prefill_longer_than_the_timeout_passes(slow_model, draft_rank):
+    """--timeout bounds waiting on a peer, not a peer's known compute: a stage computing the prefill
+    with a live heartbeat is waited for, whoever waits (the control rank, the next stage)."""
+    model, folder = slow_model
+    timeout = 1.0
+    prompt = [(7 * i) % 64 for i in range(3000)]
+    spec = plan(str(folder), stages=2, draft_rank=draft_rank, timeout=timeout, threads=1)
+    with start(spec) as session:
+        result = session.generate(prompt, OracleDrafter([0] * 8), max_new_tokens=6, eos_token_ids=())
+    stage_ms = result.stats.breakdown["prefill_stage_ms"]
+    assert min(stage_ms) > 1000 * timeout, stage_ms      # each stage computed longer than the timeout
+    reference, _ = ar_generate(Target.from_hf(model), prompt, max_new_tokens=6, eos_token_ids=())
+    assert result.tokens == reference

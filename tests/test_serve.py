@@ -243,13 +243,18 @@ def test_stop_strings_end_generation_and_are_trimmed(url, stream):
 
 def test_errors_have_clear_statuses_and_messages(url):
     c = client(url)
-    with pytest.raises(openai.UnprocessableEntityError, match="messages"):
+    with pytest.raises(openai.BadRequestError, match="messages") as err:
         c.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
-    with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
+    assert err.value.param == "messages"
+    with pytest.raises(openai.BadRequestError, match="temperature") as err:
         chat(url, "w1", temperature=7, max_tokens=2)
+    assert err.value.param == "temperature"
     bad_json = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=5,
                           headers={"content-type": "application/json"})
-    assert bad_json.status_code == 422 and "JSON" in bad_json.json()["error"]["message"]
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+    surrogate = httpx.post(url + "/v1/chat/completions", timeout=5, headers={"content-type": "application/json"},
+                           content=b'{"messages": [{"role": "user", "content": "w1 \\ud800"}], "max_tokens": 2}')
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "messages[0]"
     with pytest.raises(openai.BadRequestError, match="context is 4096 tokens"):
         c.completions.create(model=MODEL, prompt=[5] * (CONTEXT + 10), max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="ask for at most"):

@@ -98,19 +98,60 @@ def test_fifty_concurrent_requests_all_answered_correctly(url, decoder):
     assert asyncio.run(ask_all()) == [expected(decoder, ids, 6).tokens for ids in prompts]
 
 
-def test_a_dead_stage_is_named_and_then_the_server_says_it_failed(model_dir):
-    proc, url, log = start_server(model_dir, 4, "--distributed", "--timeout", "3", "-v")
+def started_pids(log) -> list[dict[int, int]]:
+    """{stage: pid} of every start of the stage processes, in order, from the server log."""
+    return [{int(k): int(pid) for k, pid in re.findall(r"stage (\d+) as rank \d+ \(pid (\d+)\)", line)}
+            for line in re.findall(r"spd.runtime.launch: started (.*)", open(log.name).read())]
+
+
+def watch_health(url, until, timeout=120.0) -> list[str]:
+    """Poll /health until `until(state)`; every status seen on the way, in order, repeats dropped."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = httpx.get(url + "/health", timeout=5).json()
+        if not seen or seen[-1] != state["status"]:
+            seen.append(state["status"])
+        if until(state):
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"/health never got there; seen {seen}")
+
+
+def test_a_dead_stage_is_restarted_and_the_next_request_served_until_the_restarts_run_out(model_dir, decoder):
+    proc, url, log = start_server(model_dir, 4, "--distributed", "--timeout", "3", "--max-restarts", "1", "-v")
+    pids = []
     try:
         wait_ready(proc, url, log, timeout=120)
-        started = re.search(r"started (.*)", open(log.name).read()).group(1)
-        pids = {int(k): int(pid) for k, pid in re.findall(r"stage (\d+) as rank \d+ \(pid (\d+)\)", started)}
-        os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(openai.InternalServerError, match="stage 1"):
-            client(url).completions.create(model=MODEL, prompt=[3, 4], temperature=0, max_tokens=8)
-        assert httpx.get(url + "/health", timeout=5).status_code == 503
-        with pytest.raises(openai.InternalServerError, match="restart it") as err:
+        # 1. a stage dies mid-stream: that request fails naming it; the pipeline restarts; the next is served
+        stream = chat(url, "w40", temperature=0, max_tokens=3000, stream=True)
+        for _ in zip(range(3), stream):
+            pass
+        os.kill(started_pids(log)[0][1], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="stage 1"):
+            for _ in stream:
+                pass
+        seen = watch_health(url, lambda s: s["status"] == "ok" and s["restarts"] == 1)
+        assert seen[-2:] == ["recovering", "ok"], seen
+        r = client(url).completions.create(model=MODEL, prompt=[3, 4, 5], temperature=0, max_tokens=8,
+                                           extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == expected(decoder, [3, 4, 5], 8).tokens
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+        assert "spd_pipeline_restarts_total 1" in metrics and 'spd_pipeline_state{state="ok"} 1' in metrics
+        assert 'spd_requests_total{outcome="failed"} 1' in metrics
+        # 2. a stage of the new pipeline dies while idle: --max-restarts 1 is spent, so it stays failed
+        pids = started_pids(log)
+        assert len(pids) == 2 and pids[1][1] != pids[0][1]
+        os.kill(pids[1][1], signal.SIGKILL)
+        watch_health(url, lambda s: s["status"] == "failed", timeout=30)
+        state = httpx.get(url + "/health", timeout=5)
+        assert state.status_code == 503 and "not restarted again" in state.json()["reason"]
+        assert "stage 1" in state.json()["reason"]
+        with pytest.raises(openai.InternalServerError, match="not restarted again") as err:
             client(url).completions.create(model=MODEL, prompt=[3, 4], temperature=0, max_tokens=8)
         assert err.value.status_code == 503
     finally:
         stop_server(proc, log)
-    assert not [p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    time.sleep(0.5)
+    left = [p for run in pids for p in run.values()
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not left, left

@@ -148,6 +148,23 @@ class KVCache:
             while states and states[-1].length > position:
                 states.pop()
 
+    def select(self, start: int, keep: list[int], layers=None) -> None:
+        """Keep, after slot `start`, only the entries at start + keep[i] (in that order), in
+        `layers` (default all): a token tree pruned its branches. Slots before `start` never move."""
+        layers = self.layer_indices if layers is None else layers
+        index = None
+        for layer_idx in layers:
+            if layer_idx in self._states:
+                raise RuntimeError(f"recurrent layer {layer_idx} cannot drop tree branches (it keeps a state)")
+            if layer_idx not in self._keys:
+                continue
+            if index is None:
+                index = torch.tensor(keep, device=self._keys[layer_idx].device) + start
+            end = start + len(keep)
+            for table in (self._keys, self._values):
+                table[layer_idx][:, :, start:end] = table[layer_idx][:, :, index]  # gathers first: no overlap
+            self._length[layer_idx] = end
+
     def reset(self) -> None:
         for layer_idx in self._length:
             self._length[layer_idx] = 0

@@ -23,12 +23,15 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _setup(threads: int | None, verbose: bool = False) -> None:
+def _setup(threads: int | None, verbose: bool = False, set_threads: bool = True) -> None:
+    """Logging and torch threads (checked even when the processes of --distributed set them)."""
     import torch
 
+    if threads is not None and threads < 1:
+        fail(f"--threads must be at least 1; got {threads}")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if threads:
+    if threads and set_threads:
         torch.set_num_threads(threads)
 
 
@@ -61,6 +64,8 @@ def generate(
                                           "the PDM, a fitted gate picks), pdm, or retrieval (no PDM needed). Default: "
                                           "hybrid when a PDM is given or ships, else retrieval."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
+    tree_width: int = typer.Option(1, min=1, help="Candidate drafts kept per pipeline level (1 = one chain; "
+                                   "W > 1: a token tree, single process, attention-only targets)."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus filter (1 = off)."),
@@ -80,32 +85,38 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Generate with SPD (in one process, or --distributed); print the text and the decode statistics."""
-    _setup(threads if not distributed else None, verbose)
+    _setup(threads, verbose, set_threads=not distributed)
+    if distributed and tree_width > 1:
+        fail("--tree-width > 1 runs in one process only for now; drop --distributed or use width 1")
     if distributed:
         return _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k,
                                      top_p, seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank,
                                      devices, timeout, lookahead, drafter)
     from . import engine
     from .baselines.ar import ar_generate
-    from .loading import build_decoder, encode_prompt, parse_dtype, parse_int_list
+    from .loading import (build_decoder, check_device, check_prompt, context_length, encode_prompt, parse_dtype,
+                          parse_int_list)
     from .sampling import SamplingParams
 
-    if (prompt is None) == (prompt_ids is None):
-        fail("give exactly one of --prompt or --prompt-ids")
     try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed)
-        ids = parse_int_list(prompt_ids, "--prompt-ids")
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        ids = _prompt_ids(prompt, prompt_ids, stages)
+        check_device(device)
         dec = build_decoder(model, stages, parse_int_list(split, "--split"), pdm, parse_dtype(dtype), device,
                             drafter=drafter)
         ids = ids if ids is not None else encode_prompt(dec.tokenizer, prompt, raw)
+        check_prompt(ids, dec.target.vocab_size, context_length(dec.target.config), max_new_tokens)
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
-    if max(ids) >= dec.target.vocab_size or min(ids) < 0:
-        fail(f"prompt ids must lie in [0, {dec.target.vocab_size}); got {ids}")
     eos = () if ignore_eos else dec.target.eos_token_ids
     stream_text = dec.tokenizer is not None and not as_json
     on_token = TextStream(dec.tokenizer) if stream_text else None
-    result = engine.generate(dec.target, dec.drafter(), ids, dec.stages, params, max_new_tokens, eos, on_token)
+    from .tree import TreeConfig
+    try:
+        result = engine.generate(dec.target, dec.drafter(), ids, dec.stages, params, max_new_tokens, eos, on_token,
+                                 tree=TreeConfig(tree_width))
+    except ValueError as err:   # a width the target or drafter cannot run
+        fail(str(err))
     out = {"text": dec.tokenizer.decode(result.tokens, skip_special_tokens=True) if dec.tokenizer else None,
            "token_ids": result.tokens, "stats": result.stats.to_dict()}
     if compare_ar:
@@ -131,13 +142,11 @@ def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new
     from .runtime.layout import parse_devices
     from .sampling import SamplingParams
 
-    if (prompt is None) == (prompt_ids is None):
-        fail("give exactly one of --prompt or --prompt-ids")
     text = None if as_json else TextStream
     try:
         out = distributed_generate(
-            model, prompt, parse_int_list(prompt_ids, "--prompt-ids"), stages, parse_int_list(split, "--split"), pdm,
-            SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed), max_new_tokens,
+            model, prompt, _prompt_ids(prompt, prompt_ids, stages), stages, parse_int_list(split, "--split"), pdm,
+            SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), max_new_tokens,
             raw, ignore_eos, compare_ar, draft_rank, text, dtype=dtype, devices=parse_devices(devices),
             timeout=timeout, threads=threads, lookahead=lookahead, drafter=drafter)
     except (LayoutError, ValueError, FileNotFoundError, OSError) as err:
@@ -163,12 +172,30 @@ def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new
         raise typer.Exit(1)
 
 
+def _prompt_ids(prompt: str | None, prompt_ids: str | None, stages: int | None) -> list[int] | None:
+    """Checks shared by both paths: one prompt given, not empty; --prompt-ids parsed; n >= 1."""
+    from .loading import check_utf8, parse_int_list
+
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of --prompt or --prompt-ids")
+    if stages is not None and stages < 1:
+        raise ValueError(f"--stages must be at least 1; got {stages}")
+    if prompt is not None:
+        check_utf8(prompt, "--prompt")
+        return None
+    ids = parse_int_list(prompt_ids, "--prompt-ids")
+    if not ids:
+        raise ValueError(f"--prompt-ids is empty ({prompt_ids!r}): give token ids like 5,17,33")
+    return ids
+
+
 def _print_stats(stats, stage_layers, out) -> None:
     s = stats
     lines = [f"stages n={s.n_stages} split={','.join(map(str, stage_layers))}",
              f"new tokens {s.new_tokens}  cycles {s.cycles}  accepted {s.accepted}  rejected {s.rejected}",
              f"acceptance rate (tokens/cycle) {s.acceptance_rate:.3f}  per-draft acceptance "
-             f"{s.per_draft_acceptance:.3f}  equivalent accept length {s.equivalent_accept_length:.2f}",
+             f"{s.per_draft_acceptance:.3f}  equivalent accept length {s.equivalent_accept_length:.2f}"
+             + (f"  tree width {s.tree_width} (mean used {s.mean_width:.2f})" if s.tree_width > 1 else ""),
              "drafts by source: " + (", ".join(f"{name} {c['share']:.0%} (accepted {c['acceptance']:.2f})"
                                                for name, c in s.source_acceptance().items()) or "none"),
              f"decode {s.decode_seconds:.2f}s ({s.decode_tokens_per_second:.1f} tok/s)  draft {s.pdm_seconds:.2f}s  "

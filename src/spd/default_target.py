@@ -136,8 +136,25 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def looks_like_path(name: str) -> bool:
+    """A folder path rather than a hub id ('org/name' or 'name'): hub ids never start with '/',
+    '.' or '~' and have at most one '/'."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith("/")
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Map the name ``default`` to the converted default model; pass others through."""
+    """Map the name ``default`` to the converted default model; check a folder path exists (the
+    hub's repo-id message would hide the typo); pass hub ids through."""
     if name_or_path == DEFAULT_MODEL:
         return str(ensure_default_model())
-    return name_or_path
+    path = Path(name_or_path).expanduser()
+    if looks_like_path(name_or_path) and not path.exists():
+        raise FileNotFoundError(f"--model {name_or_path}: no such folder (give a model folder, a hub id "
+                                f"like Qwen/Qwen3-0.6B, or 'default')")
+    if path.exists() and not path.is_dir():
+        raise FileNotFoundError(f"--model {name_or_path} is a file; give the model's folder (the one "
+                                f"holding config.json)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {name_or_path} has no config.json: not a transformers model "
+                                f"folder (save one with save_pretrained)")
+    return str(path) if path.is_dir() else name_or_path

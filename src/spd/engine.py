@@ -4,6 +4,8 @@
 The pipeline is the run of in-flight tokens at consecutive positions first_inflight..newest;
 the token at position p has depth newest - p and runs stage newest - p this cycle. Every layer's
 KV cache holds all positions before the token that runs it, because older tokens are deeper.
+With a tree width W > 1 each position (pipeline level) holds up to W candidates whose branches
+share the caches under a tree attention mask (spd.tree); W = 1 is the plain chain.
 
 Lossless by construction: every emitted token is an accepted draft or the target's own token
 from the same prefix and cache that plain decoding would use (SPEC sections 2 and 5).
@@ -21,6 +23,7 @@ import torch
 from .drafters import DraftState, Drafter
 from .sampling import SamplingParams, sample, verify
 from .target import Target
+from .tree import Candidate, Node, TreeConfig, TreePipeline
 
 
 @dataclass
@@ -43,6 +46,9 @@ class SPDStats:
     # per verified draft, by where it came from (the drafter's `last_source`: pdm, retrieval,
     # both = retrieval agreed with the PDM, ...): source -> [verified, accepted]
     drafts_by_source: dict[str, list[int]] = field(default_factory=dict)
+    tree_width: int = 1              # W: candidates kept per pipeline level
+    verified_candidates: int = 0     # candidates of all verified positions (mean width = this / verified)
+    stage_tokens: int = 0            # tokens run through one stage, summed (W x levels per cycle)
 
     def count(self, fill: int, source: str, accepted: bool) -> None:
         """One verified draft: drafted at pipeline fill `fill` by `source`."""
@@ -78,6 +84,12 @@ class SPDStats:
         return self.accepted / verified if verified else 0.0
 
     @property
+    def mean_width(self) -> float:
+        """Candidates per verified position (1 for the chain)."""
+        verified = self.accepted + self.rejected
+        return self.verified_candidates / verified if verified else 0.0
+
+    @property
     def decode_tokens_per_second(self) -> float:
         """Tokens after the first (which prefill yields) per second of decoding."""
         return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
@@ -85,7 +97,7 @@ class SPDStats:
     def to_dict(self) -> dict:
         out = asdict(self)
         for name in ("acceptance_rate", "equivalent_accept_length", "per_draft_acceptance",
-                     "decode_tokens_per_second"):
+                     "mean_width", "decode_tokens_per_second"):
             out[name] = getattr(self, name)
         out["source_acceptance"] = self.source_acceptance()
         return out
@@ -109,8 +121,10 @@ class Pipeline:
     """One sequence's schedule state (SPEC section 2): every token so far and which are in flight.
 
     In-flight tokens sit at positions first_inflight..newest; the one at position p has depth
-    newest - p and runs stage newest - p in this cycle's stage step. Pure bookkeeping: the loop
-    below and the distributed controller (spd.runtime) drive their cycles with the same calls.
+    newest - p and runs stage newest - p in this cycle's stage step. Pure bookkeeping for the
+    distributed controller (spd.runtime), which runs the chain (W = 1); `stream` below runs the
+    token tree of spd.tree, whose W = 1 case is this same schedule (tests/test_runtime_equivalence
+    checks the two give the same tokens and counts).
     """
 
     tokens: list[int]              # prompt, verified tokens, in-flight drafts (the caller's list)
@@ -153,23 +167,44 @@ class Pipeline:
         return accepted, token, checked
 
 
-def _draft(drafter, state, params, gen, stats):
+def _draft(drafter, pipe: TreePipeline, features, params, gen, stats, stepped=False) -> list[list[Candidate]]:
+    """Candidates for the children of every newest-level node. W = 1 asks the drafter's one
+    `draft` (the chain); W > 1 its `candidates` for all leaves at once."""
     t = time.perf_counter()
-    draft, q = drafter.draft(state, params, gen)
+    if pipe.width == 1:
+        draft, q = drafter.draft(pipe.draft_state(features, stepped), params, gen)
+        proposals = [[Candidate(draft, 0.0, getattr(drafter, "last_source", "draft"), q)]]
+    else:
+        proposals = drafter.candidates(pipe.tree_state(features), params, gen, pipe.width)
     stats.pdm_seconds += time.perf_counter() - t
-    return draft, q, getattr(drafter, "last_source", "draft")
+    return proposals
+
+
+def check_tree(target: Target, drafter, config: TreeConfig) -> None:
+    """Refuse tree widths a target or drafter cannot run, with the reason."""
+    if config.width == 1:
+        return
+    if target.recurrent:
+        raise ValueError(f"--tree-width {config.width} needs attention-only layers: {target.config.model_type} "
+                         f"has recurrent layers, whose state cannot hold several branches; use width 1")
+    if drafter.after_stages or not hasattr(drafter, "candidates"):
+        raise ValueError(f"{type(drafter).__name__} drafts one token per cycle; tree width "
+                         f"{config.width} needs a drafter with `candidates` (pdm, hybrid, retrieval)")
 
 
 @torch.inference_mode()
 def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list[range],
            params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
-           eos_token_ids=(), stats: SPDStats | None = None) -> Iterator[int]:
-    """Yield the verified new tokens of one sequence, one at a time, as SPD produces them."""
+           eos_token_ids=(), stats: SPDStats | None = None, tree: TreeConfig = TreeConfig()) -> Iterator[int]:
+    """Yield the verified new tokens of one sequence, one at a time, as SPD produces them.
+    `tree.width` W > 1 keeps up to W candidates per pipeline level (spd.tree)."""
     n, device = len(stages), target.device
     assert n >= 1 and stages[-1].stop == target.num_layers and len(prompt_ids) >= 1
+    check_tree(target, drafter, tree)
     stats = stats if stats is not None else SPDStats(n)
     stats.n_stages, stats.prompt_tokens, stats.stage_seconds = n, len(prompt_ids), [0.0] * n
     stats.verified_by_fill, stats.accepted_by_fill = [0] * n, [0] * n
+    stats.tree_width = tree.width
     if max_new_tokens < 1:
         return
     eos = set(eos_token_ids)
@@ -178,7 +213,9 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     record = set(drafter.anchors)
     cache = target.new_cache(stages)   # recurrent layers keep n - k states
     capacity = len(prompt_ids) + max_new_tokens + n + 1
-    features = torch.zeros(capacity, len(column), target.hidden_size, device=device, dtype=target.dtype)
+    node_rows = 0 if tree.width == 1 else (n + 3) * (tree.width + 1)   # in-flight tree nodes' rows
+    features = torch.zeros(capacity + node_rows, len(column), target.hidden_size, device=device,
+                           dtype=target.dtype)
 
     # Prefill: the whole prompt through the whole model; the first token is the target's own.
     t0 = _now(device)
@@ -192,55 +229,66 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     if tokens[-1] in eos or max_new_tokens == 1:
         return
 
-    def enter(position: int) -> torch.Tensor:
-        """tokens[position] enters stage 1: embed it (its depth-0 feature) -> (1, 1, H)."""
-        hidden = target.embed(torch.tensor(tokens[position:position + 1], device=device))
-        store_snapshots(features, [position], {0: hidden[0]}, column)
-        return hidden
+    def enter(level: list[Node]) -> None:
+        """The newest level enters stage 1: embed its tokens (their depth-0 features)."""
+        hidden = target.embed(torch.tensor([node.token for node in level], device=device))
+        store_snapshots(features, [node.row for node in level], {0: hidden[0]}, column)
+        for i, node in enumerate(level):
+            node.hidden = hidden[:, i:i + 1] if len(level) > 1 else hidden
 
     drafter.begin(len(prompt_ids))
-    pipe = Pipeline(tokens, first_inflight=len(prompt_ids), n_stages=n)
-    hidden = {pipe.newest: enter(pipe.newest)}   # in-flight position -> (1, 1, H)
-    fills = {}                       # in-flight draft position -> (fill when drafted, its source)
+    pipe = TreePipeline(tokens, n, tree, node_rows=capacity)   # the first token is the root
+    enter(pipe.newest)
     t_decode = _now(device)
     while True:
         work = pipe.work()
-        # 1. Draft position newest+1 from features that exist before this cycle's stage work.
+        # 1. Draft the children of the newest level from features that exist before this cycle's stage work.
         if not drafter.after_stages:
-            draft, q, source = _draft(drafter, pipe.draft_state(features), params, gen, stats)
+            proposals = _draft(drafter, pipe, features, params, gen, stats)
 
-        # 2. Stage step: the token at depth k runs stage k and records the anchors it passes.
-        for position, k in work:
+        # 2. Stage step: the level at depth k runs stage k (all its nodes in one forward) and
+        # records the anchors it passes.
+        for level, k in work:
             t = _now(device)
-            hidden[position], snapshots = target.run_layers(
-                hidden[position], torch.tensor([position], device=device), stages[k], cache, record)
-            store_snapshots(features, [position], snapshots, column)
+            hidden = level[0].hidden if len(level) == 1 else torch.cat([node.hidden for node in level], 1)
+            positions = torch.tensor([node.position for node in level], device=device)
+            hidden, snapshots = target.run_layers(hidden, positions, stages[k], cache, record,
+                                                  pipe.stage_mask(k, level, device))
+            pipe.ran(k, level, hidden)
+            store_snapshots(features, [node.row for node in level], snapshots, column)
             stats.stage_seconds[k] += _now(device) - t
+            stats.stage_tokens += len(level)
         stats.cycles += 1
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
-            draft, q, source = _draft(drafter, pipe.draft_state(features, stepped=True), params, gen, stats)
+            proposals = _draft(drafter, pipe, features, params, gen, stats, stepped=True)
 
-        # The draft joins the pipeline at depth 0 (dropped again below if a rejection cuts it).
-        pipe.admit(draft, q)
-        fills[pipe.newest] = (len(work), source)
+        # The drafts join the pipeline at depth 0 (dropped again below if a rejection cuts them).
+        pipe.grow(proposals, fill=len(work))
 
-        # 3. Exit + verify: with n tokens in flight the oldest has finished all n stages.
-        if len(work) == n:
+        # 3. Exit + verify: the root has finished all n stages (n levels in flight, or fewer after
+        # a pruning left a bubble).
+        if pipe.exits:
             t = _now(device)
-            logits = target.logits(hidden.pop(pipe.first_inflight)[0, -1])
-            accepted, token, checked = pipe.settle(logits, params, gen)
-            stats.count(*fills.pop(checked), accepted)
-            if not accepted:  # everything from the checked position on is gone: crop the caches there
-                cache.crop(checked)
-                hidden.clear()
-                fills.clear()
+            root = pipe.root
+            if root.row != root.position:   # finished: its features move to its position's row
+                features[root.position] = features[root.row]
+            stats.verified_candidates += len(pipe.levels[1])
+            logits = target.logits(root.hidden[0, -1])
+            kept, token, counted = pipe.settle(logits, params, gen)
+            stats.count(counted.fill, counted.source, kept is not None)
+            if kept is None:  # everything from the checked position on is gone: crop the caches there
+                cache.crop(root.position + 1)
+            for k, keep in enumerate(pipe.pruned):   # dropped branches leave the in-flight tails
+                if keep is not None:
+                    cache.select(root.position, keep, stages[k])
             stats.verify_seconds += _now(device) - t
             stats.new_tokens += 1
             stats.decode_seconds = _now(device) - t_decode
             yield token
             if token in eos or stats.new_tokens >= max_new_tokens:
                 return
-        hidden[pipe.newest] = enter(pipe.newest)
+        if pipe.newest[0].hidden is None:   # not when a pruning left an older level newest
+            enter(pipe.newest)
 
 
 @dataclass
@@ -251,12 +299,13 @@ class GenerationResult:
 
 def generate(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list[range],
              params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
-             eos_token_ids=None, on_token: Callable[[int], None] | None = None) -> GenerationResult:
+             eos_token_ids=None, on_token: Callable[[int], None] | None = None,
+             tree: TreeConfig = TreeConfig()) -> GenerationResult:
     """Decode one sequence with SPD. eos_token_ids=None uses the target's own EOS ids."""
     eos = target.eos_token_ids if eos_token_ids is None else eos_token_ids
     stats = SPDStats(len(stages))
     tokens = []
-    for token in stream(target, drafter, prompt_ids, stages, params, max_new_tokens, eos, stats):
+    for token in stream(target, drafter, prompt_ids, stages, params, max_new_tokens, eos, stats, tree):
         tokens.append(token)
         if on_token is not None:
             on_token(token)

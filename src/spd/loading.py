@@ -65,7 +65,7 @@ def resolve_split(num_layers: int, stages: int | None, split: list[int] | None,
         return split_layers(num_layers, len(trained), list(trained))
     if split is not None and stages is not None and len(split) != stages:
         raise ValueError(f"--split has {len(split)} counts but --stages is {stages}")
-    n = len(split) if split is not None else (stages or 2)
+    n = len(split) if split is not None else (stages if stages is not None else 2)
     return split_layers(num_layers, n, split)
 
 
@@ -100,8 +100,53 @@ def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
     """Prompt text -> ids; chat models get their chat template unless raw."""
     if tokenizer is None:
         raise ValueError("this model folder has no tokenizer: give the prompt as ids (--prompt-ids 5,17,33)")
+    check_utf8(text, "--prompt")
     if not raw and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(text)
+
+
+def check_utf8(text: str, what: str) -> None:
+    """ValueError naming the first character that is no Unicode scalar (a byte that was not UTF-8,
+    which Python keeps as a lone surrogate) before a tokenizer fails on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = ord(text[err.start])
+        shown = f"the byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"a lone surrogate U+{char:04X}"
+        raise ValueError(f"{what} is not valid UTF-8 text: {shown} at character {err.start}; "
+                         f"re-encode it as UTF-8 (e.g. with iconv -t UTF-8)") from None
+
+
+def check_prompt(ids: list[int], vocab_size: int, context: int, max_new_tokens: int) -> None:
+    """Refuse a prompt that is empty, holds ids outside the vocabulary, or does not fit the
+    model's context together with the tokens asked for (as the server does)."""
+    if not ids:
+        raise ValueError("the prompt is empty (no tokens): give some text with --prompt or ids with --prompt-ids")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"prompt ids must lie in [0, {vocab_size}); got {bad[:5]}")
+    if len(ids) >= context:
+        raise ValueError(f"the prompt is {len(ids)} tokens, but the model's context is {context} tokens "
+                         f"(prompt plus new tokens); shorten the prompt")
+    if len(ids) + max_new_tokens > context:
+        raise ValueError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {max_new_tokens} is "
+                         f"{len(ids) + max_new_tokens} tokens, beyond the model's context of {context}; "
+                         f"use --max-new-tokens {context - len(ids)} or less")
+
+
+def context_length(config, fallback: int = 2048) -> int:
+    """The target's own context length (prompt plus new tokens) from its config."""
+    return int(getattr(config, "max_position_embeddings", None) or fallback)
+
+
+def check_device(name: str) -> None:
+    """ValueError for a device torch does not know or this machine lacks (before any weights load)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device: use cpu, cuda, cuda:0, mps, ...") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch build or machine has no CUDA device; use --device cpu")

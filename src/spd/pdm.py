@@ -181,6 +181,11 @@ class PDM(nn.Module):
         mask = attention_mask(positions, kv_len, rows.dtype)
         return self.lm_head(self.body(rows, positions, mask, cache)[0, -1]).float()
 
+    def forward_tree(self, rows: torch.Tensor, positions: torch.Tensor, cache, mask, last: int) -> torch.Tensor:
+        """Inference over a token tree: rows after the cache's committed positions with an explicit
+        additive mask; (1, r, H) rows -> (last, V_d) logits of the last `last` rows (the leaves)."""
+        return self.lm_head(self.body(rows, positions, mask, cache)[0, -last:]).float()
+
     def full_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """(..., V_d) -> (..., V) with -inf outside the draft vocabulary."""
         if self.config.draft_vocab_size is None:

@@ -22,16 +22,24 @@ engine can count acceptance per source.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .drafters import PDMDrafter
+from .drafters import Candidate, PDMDrafter, top_candidates
 from .pdm import PDM
 from .sampling import probs
 
 GATE_FILE = "retrieval_gate.json"   # beside pdm_config.json in a PDM checkpoint folder
+# In a token tree, a retrieved candidate scores at least this probability by match length 1..8
+# (roughly how often a match of that length predicted the next token on training-like text).
+RETRIEVAL_PRIOR = (0.15, 0.3, 0.45, 0.55, 0.65, 0.7, 0.75, 0.8)
+
+
+def retrieval_prior(match_len: int) -> float:
+    return RETRIEVAL_PRIOR[min(match_len, len(RETRIEVAL_PRIOR)) - 1]
 
 
 class SuffixIndex:
@@ -166,6 +174,16 @@ class RetrievalDrafter:
         self.last_source = "none" if token is None else "retrieval"
         return (state.tokens[-1] if token is None else token), None
 
+    def candidates(self, state, params, gen, width):
+        """One candidate per leaf of a token tree: its retrieved token (else its own token again)."""
+        out = []
+        for leaf in state.leaves:
+            self.index.sync(state.path(leaf), state.root_position)
+            token, match_len = self.index.lookup()
+            out.append([Candidate(token, math.log(retrieval_prior(match_len)), "retrieval") if token is not None
+                        else Candidate(leaf.token, math.log(0.01), "none")])
+        return out
+
 
 class HybridDrafter:
     """Retrieval beside a PDM, one source per draft chosen by a `Gate` (see the module docstring)."""
@@ -199,6 +217,17 @@ class HybridDrafter:
             return int(top1), None
         q = probs(logits, params)
         return int(torch.multinomial(q, 1, generator=gen)), q
+
+    def candidates(self, state, params, gen, width):
+        """Per leaf of a token tree: its retrieved token (scored at least `retrieval_prior` of the
+        match length), then the PDM's top-W; one batched PDM forward for all leaves."""
+        out = []
+        for leaf, logits in zip(state.leaves, self.pdm_drafter.tree_logits(state)):
+            self.index.sync(state.path(leaf), state.root_position)
+            retrieved, match_len = self.index.lookup()
+            extra = None if retrieved is None else (retrieved, retrieval_prior(match_len))
+            out.append(top_candidates(logits, params, width, "pdm", extra))
+        return out
 
 
 DRAFTERS = ("hybrid", "pdm", "retrieval")

@@ -22,11 +22,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:   # torch seeds are 64-bit
+            raise ValueError(f"seed must fit in 64 bits (e.g. 0 to 2**63 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -46,7 +48,9 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # shifted first (softmax does not change) and a temperature that float32 keeps above 0: a tiny
+    # temperature gives 0 for the top logit and -inf below it, never inf - inf
+    logits = (logits - logits.max()) / max(params.temperature, torch.finfo(logits.dtype).tiny)
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -95,3 +99,34 @@ def verify(draft: int, draft_q: torch.Tensor | None, target_logits: torch.Tensor
     q = draft_q if draft_q is not None else torch.nn.functional.one_hot(
         torch.tensor(draft), p.shape[-1]).float()  # a drafter without q is a point mass
     return verify_sample(draft, p, q.to(p.device), gen)
+
+
+def verify_multi(candidates: list[tuple[int, torch.Tensor | None]], target_logits: torch.Tensor,
+                 params: SamplingParams, gen: torch.Generator) -> tuple[int | None, int]:
+    """Verify several candidate drafts for one position (a token tree's children); returns
+    (index of the accepted candidate or None, emitted token).
+
+    Greedy: the candidate equal to the target's argmax. Sampling: multi-draft (recursive)
+    rejection as in SpecInfer: candidate i, proposed by q_i (None: a point mass), is accepted with
+    min(1, r(x)/q_i(x)) under the current residual r (first r = p); a rejection replaces r by
+    normalize(max(0, r - q_i)); when all are rejected the token is drawn from the last r. Each
+    step preserves r, so the output law is p. A single candidate is exactly `verify`.
+    """
+    if len(candidates) == 1:
+        accepted, token = verify(*candidates[0], target_logits, params, gen)
+        return (0 if accepted else None), token
+    if params.greedy:
+        best = int(target_logits.argmax())
+        return next((i for i, (x, _) in enumerate(candidates) if x == best), None), best
+    residual = probs(target_logits, params)
+    for i, (draft, q) in enumerate(candidates):
+        q = torch.nn.functional.one_hot(torch.tensor(draft), residual.shape[-1]).float() if q is None else q
+        q = q.to(residual.device)
+        r_x, q_x = float(residual[draft]), float(q[draft])
+        u = float(torch.rand((), generator=gen, device=residual.device))
+        if q_x > 0 and u < min(1.0, r_x / q_x):
+            return i, draft
+        nxt = torch.clamp(residual - q, min=0)
+        if float(nxt.sum()) > 0:   # all zero: r == q up to rounding, r itself stays the law
+            residual = nxt / nxt.sum()
+    return None, int(torch.multinomial(residual, 1, generator=gen))

@@ -32,7 +32,7 @@ def shipped_pdm(model: str, stages: int | None, split: list[int] | None) -> str 
 
     from .pdm import fits_split
 
-    n = len(split) if split is not None else (stages or 2)
+    n = len(split) if split is not None else (stages if stages is not None else 2)
     counts = [len(s) for s in split_layers(30, n, split)]
     folder = shipped_pdm_dir(counts)
     if (folder / "pdm_config.json").is_file():

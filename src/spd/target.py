@@ -24,7 +24,7 @@ from .families import (FAMILIES, RECURRENT_KINDS, Family, Rotary, UnsupportedMod
 def split_layers(num_layers: int, n_stages: int, counts: list[int] | None = None) -> list[range]:
     """Cut layers 0..L-1 into n contiguous stages: the most even split, or per-stage counts."""
     if n_stages < 1:
-        raise ValueError(f"need at least 1 stage, got n={n_stages}")
+        raise ValueError(f"need at least 1 stage (--stages 1 or more), got n={n_stages}")
     if n_stages > num_layers:
         raise ValueError(f"n={n_stages} stages but the model has only {num_layers} layers; "
                          f"use at most {num_layers} stages")
@@ -61,6 +61,24 @@ def attention_mask(q_positions: torch.Tensor, kv_len: int, dtype, window: int | 
         allowed &= (q_positions[:, None] - keys[None, :]) < window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """Which keys each query of a token-tree step may see: (kv,) key positions and (q, kv) allowed.
+
+    The cache of a layer holds the verified prefix and then in-flight tree nodes of several
+    branches; a query sees the prefix, its own ancestors and itself (spd.tree builds this)."""
+
+    key_positions: torch.Tensor
+    allowed: torch.Tensor
+
+    def additive(self, q_positions: torch.Tensor, dtype, window: int | None = None) -> torch.Tensor:
+        allowed = self.allowed
+        if window is not None:
+            allowed = allowed & ((q_positions[:, None] - self.key_positions[None, :]) < window)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 @dataclass
@@ -198,12 +216,13 @@ class Target:
         return torch.cat(outs, 1), {i: torch.cat([s[i] for s in snaps]) for i in snaps[0]}
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, layers: range, cache,
-                   record=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                   record=(), tree: TreeMask | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run `layers` on (1, q, H) hidden states of new positions, appending to `cache`.
 
         Every earlier position must already be in each layer's cache (true in SPD: older tokens
         are deeper). Returns the output and {anchor index: (q, H)} for indices in `record`
-        that lie in (layers.start, layers.stop].
+        that lie in (layers.start, layers.stop]. `tree`: the queries are tree nodes (several may
+        share a position) and see the keys it allows instead of every earlier position.
         """
         assert hidden.dim() == 3 and hidden.shape[:2] == (1, len(positions)), hidden.shape
         position_ids = positions[None]
@@ -220,7 +239,10 @@ class Target:
                 mask = None
             else:
                 key = (window, cache.length(layer_idx))
-                if key not in masks:
+                if key not in masks and tree is not None:
+                    assert len(tree.key_positions) == cache.length(layer_idx) + len(positions)
+                    masks[key] = tree.additive(positions, hidden.dtype, window)
+                elif key not in masks:
                     masks[key] = attention_mask(positions, cache.length(layer_idx) + len(positions),
                                                 hidden.dtype, window)
                 mask = masks[key]

@@ -1,6 +1,7 @@
 """The methods a benchmark compares, by name, each turned into one per-prompt record.
 
-Names: `ar`, `spd-n<N>`, `ppsd-n<N>`, `eagle-k<K>`; `spd-n<N>+retrieval` is SPD with the hybrid
+Names: `ar`, `spd-n<N>`, `ppsd-n<N>`, `eagle-k<K>`; `spd-n<N>-w<W>` is tree SPD keeping W candidates
+per pipeline level (`spd.tree`); `spd-n<N>+retrieval` is SPD with the hybrid
 drafter (`spd.retrieval`), `eagle-k<K>+retrieval` drafts a retrieved chain when the sequence's
 suffix matches earlier text (at least EAGLE_RETRIEVAL_MIN_LEN tokens), else the head's chain. A method runs on the shared target with
 spd's own cache and sampling code and returns the fields the report needs (same names for
@@ -30,6 +31,7 @@ from ..checkpoint import load_pdm, read_config
 from ..engine import generate
 from ..pdm import PDM
 from ..retrieval import Gate, make_drafter
+from ..tree import TreeConfig
 from ..sampling import SamplingParams
 from ..shipped import shipped_pdm
 from ..target import Target, split_layers
@@ -38,6 +40,7 @@ from . import costs
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(ar)$|^(spd|ppsd)-n(\d+)$|^(eagle)-k(\d+)$")
+_WIDTH = re.compile(r"^(spd-n\d+)-w(\d+)")   # spd-n4-w4 -> spd-n4, width 4
 RETRIEVAL = "+retrieval"    # suffix: spd-n<N>+retrieval (the hybrid drafter), eagle-k<K>+retrieval
 EAGLE_RETRIEVAL_MIN_LEN = 3  # a retrieved chain replaces the head's from a match this long (SAM-Decoding style)
 
@@ -48,28 +51,35 @@ class MethodSpec:
     n: int | None = None       # pipeline stages (spd, ppsd)
     k: int | None = None       # drafts per round (eagle)
     retrieval: bool = False    # drafts from the sequence itself beside the PDM / head
+    width: int = 1             # tree SPD: candidates kept per pipeline level (spd only)
 
     @property
     def name(self) -> str:
         if self.kind == "ar":
             return "ar"
         base = f"{self.kind}-n{self.n}" if self.kind in ("spd", "ppsd") else f"eagle-k{self.k}"
+        base += f"-w{self.width}" if self.width > 1 else ""
         return base + (RETRIEVAL if self.retrieval else "")
 
     @classmethod
     def parse(cls, name: str) -> "MethodSpec":
         name = name.strip()
         retrieval = name.endswith(RETRIEVAL)
+        width = _WIDTH.match(name)
+        if width:
+            name = width.group(1) + name[width.end():]
         m = _NAME.match(name.removesuffix(RETRIEVAL))
         if (not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(5) and int(m.group(5)) < 1)
-                or (retrieval and not (m.group(2) == "spd" or m.group(4)))):
-            raise ValueError(f"unknown method {name!r}: use ar, spd-n<N>, ppsd-n<N> or eagle-k<K>, and "
+                or (retrieval and not (m.group(2) == "spd" or m.group(4)))
+                or (width and (int(width.group(2)) < 1 or m.group(2) != "spd"))):
+            raise ValueError(f"unknown method {name!r}: use ar, spd-n<N>, spd-n<N>-w<W>, ppsd-n<N> or eagle-k<K>, and "
                              f"spd-n<N>+retrieval or eagle-k<K>+retrieval for drafting with retrieval beside "
                              f"them (e.g. ar,spd-n2,spd-n2+retrieval,ppsd-n4,eagle-k3,eagle-k5+retrieval)")
         if m.group(1):
             return cls("ar")
         if m.group(2):
-            return cls(m.group(2), n=int(m.group(3)), retrieval=retrieval)
+            return cls(m.group(2), n=int(m.group(3)), retrieval=retrieval,
+                       width=int(width.group(2)) if width else 1)
         return cls("eagle", k=int(m.group(5)), retrieval=retrieval)
 
 
@@ -112,7 +122,8 @@ def _pipeline_record(result) -> dict:
             "drafts_by_source": s.drafts_by_source,
             "verified_by_position": list(s.verified_by_fill), "accepted_by_position": list(s.accepted_by_fill),
             "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
-            "draft_seconds": s.pdm_seconds}
+            "draft_seconds": s.pdm_seconds, "tree_width": s.tree_width, "mean_width": s.mean_width,
+            "stage_tokens": s.stage_tokens}
 
 
 def _find(paths, n: int, read_n) -> str | None:
@@ -178,7 +189,8 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
     stages = split_layers(target.num_layers, n, stage_layers)
 
     def decode(prompt, params, max_new, eos):
-        return _pipeline_record(generate(target, make(), prompt, stages, params, max_new, eos))
+        return _pipeline_record(generate(target, make(), prompt, stages, params, max_new, eos,
+                                         tree=TreeConfig(spec.width)))
     return Runner(spec, target, path, path is None, decode,
                   lambda context: costs.pipeline_draft_step(target, make(), n, context))
 

@@ -30,19 +30,19 @@ def distributed_generate(model: str, prompt: str | None, prompt_ids: list[int] |
     Raises LayoutError/ValueError for bad arguments (before any weights load) and
     StageFailure when a stage dies or hangs.
     """
-    from ..loading import encode_prompt
+    from ..loading import check_prompt, context_length, encode_prompt
     from .launch import plan, start
+    from .weights import read_model_config
 
     spec = plan(model, stages, split, draft_rank, pdm, **options)
     tokenizer = load_tokenizer(spec.model)
     ids = prompt_ids if prompt_ids is not None else encode_prompt(tokenizer, prompt, raw)
+    config = read_model_config(spec.model)[1]
+    check_prompt(ids, config.vocab_size, context_length(config), max_new_tokens)   # before any process starts
     session = start(spec)
     if session is None:   # this rank ran a stage until rank 0 said STOP
         return None
     with session:
-        vocab = session.target.vocab_size
-        if not ids or max(ids) >= vocab or min(ids) < 0:
-            raise ValueError(f"prompt ids must lie in [0, {vocab}); got {ids}")
         eos = () if ignore_eos else session.target.eos_token_ids
         on_token = on_token_for(tokenizer) if on_token_for is not None and tokenizer is not None else None
         result = session.generate(ids, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos,

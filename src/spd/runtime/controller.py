@@ -124,11 +124,12 @@ class Controller:
     """
 
     def __init__(self, target: Target, layout: Layout, link: Link, anchors, local: StageWorker | None,
-                 lookahead: str = "off"):
+                 lookahead: str = "off", board=None):
         assert target.embed_tokens is not None and target.lm_head is not None, "control needs embed + head"
         assert (local is not None) == layout.colocated
         self.target, self.layout, self.link, self.local = target, layout, link, local
         self.lookahead = lookahead
+        self.board = board   # the status board that shows stage 1 a long local prefill (with-first-stage)
         LookaheadPolicy(lookahead)   # a bad mode fails here
         self._last: Issued | None = None   # the latest STEP, whose total the next command closes
         self.anchors = sorted(set(anchors))
@@ -166,17 +167,22 @@ class Controller:
     def _run_local(self, cycle: Issued) -> None:
         """Stage 0's share of the cycle when it lives in this process."""
         if self.local is not None:
+            if self.board is not None:
+                self.board.set("computing prefill" if cycle.command.op == Op.PREFILL else "computing")
             t = now(self.link.device)
             cycle.reports[0] = self.local.handle(cycle.command, cycle.hidden)
             cycle.times.local_stage = now(self.link.device) - t
+            if self.board is not None:
+                self.board.set("control")
 
-    def _collect(self, cycle: Issued, features, column) -> torch.Tensor | None:
+    def _collect(self, cycle: Issued, features, column, patient: bool = False) -> torch.Tensor | None:
         """Wait for the cycle's reports and store their anchors; what the last stage sent about
-        the finished token (see `logits`), or None when it did not run."""
+        the finished token (see `logits`), or None when it did not run. `patient`: the prefill,
+        which may compute for long."""
         cycle.times.own = now(self.link.device) - cycle.start
         for k, message in cycle.posted.items():
-            cycle.reports[k] = self.link.take(message)
-        verdict = self.link.take(cycle.verdict) if cycle.verdict is not None else None
+            cycle.reports[k] = self.link.take(message, patient)
+        verdict = self.link.take(cycle.verdict, patient) if cycle.verdict is not None else None
         self.link.flush(before_cycle=True)
         positions = {k: slice(p, p + cycle.hidden.shape[1]) for p, k in cycle.work}
         for k, report in cycle.reports.items():
@@ -224,7 +230,7 @@ class Controller:
         prefill = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0, sample=self._sample), hidden,
                               [(0, k) for k in range(self.layout.n_stages)])
         self._run_local(prefill)
-        return sample(self.logits(self._collect(prefill, features, column)), params, gen)
+        return sample(self.logits(self._collect(prefill, features, column, patient=True)), params, gen)
 
     # -- the schedule -----------------------------------------------------------------------------
     @torch.inference_mode()

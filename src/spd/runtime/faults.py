@@ -4,7 +4,8 @@ Every stage process runs a `StatusBoard`: a daemon thread that writes its state 
 cycle 12", "waiting for the hidden state from stage 0 (rank 1)"), a heartbeat counter and its
 pid/host into the job's store every `interval` seconds, and its error at once if it fails.
 When a message wait on the control rank fails (a broken connection or the deadline), the control
-rank calls `diagnose`, which reads every board twice and blames, in this order: a stage whose
+rank calls `diagnose`, which reads every board until each beat again or its process ended (at
+most 4 intervals) and blames, in this order: a stage whose
 process is known dead (exit code), a stage whose heartbeat stopped (died or frozen), a stage
 that failed by itself (not because a peer vanished), a stage stuck computing, and finally the
 peer the control rank was waiting for. The result is raised as `StageFailure`.
@@ -76,6 +77,30 @@ class StatusBoard:
     def stop(self) -> None:
         self._stop.set()
 
+    def read(self, rank: int) -> dict | None:
+        """Another rank's board, through this board's store client (shared with its thread)."""
+        with self._lock:
+            return read_status(self.store, rank)
+
+
+class Progress:
+    """`progress()` is True when some stage's board shows it computing and its heartbeat rose
+    since the last call: it is alive and working, so whoever waits on it keeps waiting."""
+
+    def __init__(self, read, ranks: list[int]):
+        self.read, self.ranks = read, ranks   # read(rank) -> the board's record or None
+        self.beats: dict[int, int] = {}
+
+    def __call__(self) -> bool:
+        moving = False
+        for rank in self.ranks:
+            status = self.read(rank) or {}
+            beat = status.get("beat", -1)
+            if status.get("state", "").startswith("computing") and beat > self.beats.get(rank, beat):
+                moving = True
+            self.beats[rank] = beat
+        return moving
+
 
 def read_status(store, rank: int) -> dict | None:
     try:
@@ -104,12 +129,14 @@ def diagnose(store, layout, waited_rank: int | None, cause: str, exit_codes: dic
     ranks = [layout.stage_rank(k) for k in range(layout.n_stages) if layout.stage_rank(k) != 0]
     first = {r: read_status(store, r) for r in ranks}
     deadline = time.monotonic() + 4 * interval
-    while time.monotonic() < deadline:  # give a dead process's heartbeat time to go stale
-        if exit_codes and any(exit_codes().get(r) is not None for r in ranks):
-            break
+    while True:  # until every board beat again or its process ended: a stale beat means frozen or dead
         time.sleep(interval / 2)
-    second = {r: read_status(store, r) for r in ranks}
-    codes = exit_codes() if exit_codes else {}
+        second = {r: read_status(store, r) for r in ranks}
+        codes = exit_codes() if exit_codes else {}
+        settled = [codes.get(r) is not None or (first[r] and second[r] and second[r]["beat"] != first[r]["beat"])
+                   for r in ranks]
+        if all(settled) or time.monotonic() > deadline:
+            break
 
     def who(rank):
         k = layout.stage_of(rank)

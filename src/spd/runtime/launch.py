@@ -31,7 +31,7 @@ from ..retrieval import Gate, drafter_kind, make_drafter
 from ..sampling import SamplingParams
 from ..shipped import shipped_pdm
 from .controller import LOOKAHEAD, Controller, CycleTimes, DistributedStats, breakdown
-from .faults import StageFailure, describe_exit, diagnose, read_status
+from .faults import Progress, StageFailure, StatusBoard, describe_exit, diagnose, read_status
 from .layout import CONTROL_RANK, Layout, LayoutError, backend_for, default_threads, pick_device
 from .protocol import Link, PeerError
 from .weights import read_model_config
@@ -89,7 +89,7 @@ def plan(model: str, stages: int | None = None, split: list[int] | None = None, 
         split = list(pdm_config.stage_layers)
     if split is not None and stages is not None and len(split) != stages:
         raise LayoutError(f"--split has {len(split)} counts ({split}) but --stages is {stages}")
-    n = len(split) if split is not None else (stages or 2)
+    n = len(split) if split is not None else (stages if stages is not None else 2)
     layout = Layout.of(num_layers, n, split, draft_rank)
     counts = tuple(len(s) for s in layout.stages)
     if pdm_config is not None:
@@ -224,6 +224,8 @@ class Session:
             except PeerError as err:
                 log.warning("stopping the stages: %s", err)
                 failed = True
+        if self.controller.board is not None:
+            self.controller.board.stop()
         for proc in (self.workers or {}).values():
             _reap(proc, grace=0.5 if failed else 10.0)
         try:
@@ -319,9 +321,13 @@ def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int
     pdm = _load_pdm(spec, target)
     _wait_ready(store, layout, workers, spec.idle_timeout)
     init_rank(spec, CONTROL_RANK, world, store, local_rank, local_world)
-    link = Link(device, spec.timeout, _names(layout), spec.idle_timeout)
+    remote = [layout.stage_rank(k) for k in range(layout.n_stages) if layout.stage_rank(k) != CONTROL_RANK]
+    # with stage 0 here, a board shows stage 1 that this process computes the prefill
+    board = StatusBoard(store, CONTROL_RANK).start() if layout.colocated else None
+    read = board.read if board is not None else (lambda rank: read_status(store, rank))
+    link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, progress=Progress(read, remote))
     local = StageWorker(target, layout, 0, link, spec.anchors, spec.prefill_chunk) if layout.colocated else None
-    controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead)
+    controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead, board=board)
     return Session(spec, controller, store, workers, pdm)
 
 

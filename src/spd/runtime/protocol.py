@@ -16,13 +16,16 @@ neighbour sent it a hidden state last cycle. Tensors that flow:
 - at a STATS command: each stage's compute seconds per cycle (float64) since the last STATS.
 
 `Link` wraps torch.distributed point-to-point calls with a deadline on every wait; a wait that
-fails raises `PeerError` naming the peer and what was expected.
+fails raises `PeerError` naming the peer and what was expected. The deadline bounds waiting on a
+peer, not a peer's known compute: the prefill's waits go on while a stage's status board shows
+it computing with a rising heartbeat (faults.Progress), so a long prompt is no failure.
 """
 
 from __future__ import annotations
 
 import datetime
 import enum
+import threading
 import time
 from dataclasses import dataclass
 
@@ -96,11 +99,12 @@ class Link:
     """
 
     def __init__(self, device: torch.device, timeout: float, names: dict[int, str],
-                 idle_timeout: float | None = None, on_wait=None):
+                 idle_timeout: float | None = None, on_wait=None, progress=None):
         self.device, self.names = device, names
         self.timeout = datetime.timedelta(seconds=timeout)
         self.idle_timeout = datetime.timedelta(seconds=idle_timeout or timeout)
         self.on_wait = on_wait or (lambda state: None)
+        self.progress = progress   # () -> True while some stage computes with a live heartbeat
         self.pending = []          # (work, tensor, peer, what, cycle) of sends not yet known complete
         self.cycle = 0             # sends are tagged with it; see flush(before_cycle=True)
         self.comm_seconds = 0.0    # time spent blocked in waits
@@ -116,6 +120,38 @@ class Link:
             raise PeerError(rank, what, f"{kind} after {time.perf_counter() - t:.1f} s: {reason}") from err
         finally:
             self.comm_seconds += time.perf_counter() - t
+
+    def _wait_patiently(self, work, rank: int, what: str) -> None:
+        """Wait as long as some stage computes with a live heartbeat (a long prefill): only
+        `timeout` seconds without such progress fail. gloo closes the connection when a bounded
+        wait expires and cannot poll a receive, so a helper thread does the unbounded wait and
+        this thread watches the stages' boards."""
+        self.on_wait(f"waiting for {what} (rank {rank})")
+        done, failed = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                work.wait()   # bounded by the process group's own (idle) timeout
+            except RuntimeError as err:
+                failed.append(err)
+            done.set()
+
+        t = time.perf_counter()
+        threading.Thread(target=wait, name="spd-patient-wait", daemon=True).start()
+        limit = self.timeout.total_seconds()
+        deadline = t + limit
+        try:
+            while not done.wait(min(0.25, limit)):
+                if self.progress():
+                    deadline = time.perf_counter() + limit
+                elif time.perf_counter() > deadline:
+                    raise PeerError(rank, what, f"timed out after {time.perf_counter() - t:.1f} s, no stage "
+                                                f"computing for the last {limit:.1f} s")
+        finally:
+            self.comm_seconds += time.perf_counter() - t
+        if failed:
+            reason = first_line(failed[0])
+            raise PeerError(rank, what, f"failed after {time.perf_counter() - t:.1f} s: {reason}") from failed[0]
 
     def name(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
@@ -149,13 +185,18 @@ class Link:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         return self._start(lambda: dist.irecv(buffer, rank), rank, f"{what} from {self.name(rank)}"), buffer, rank, what
 
-    def take(self, posted) -> torch.Tensor:
+    def take(self, posted, patient: bool = False) -> torch.Tensor:
+        """The posted tensor once it arrived; `patient` for a wait behind a peer's long compute
+        (the prefill): then only `timeout` s without any stage computing fail (see _wait_patiently)."""
         work, buffer, rank, what = posted
-        self._wait(work, rank, f"{what} from {self.name(rank)}", self.timeout)
+        if patient and self.progress is not None:
+            self._wait_patiently(work, rank, f"{what} from {self.name(rank)}")
+        else:
+            self._wait(work, rank, f"{what} from {self.name(rank)}", self.timeout)
         return buffer
 
-    def recv(self, shape, dtype, rank: int, what: str) -> torch.Tensor:
-        return self.take(self.post(shape, dtype, rank, what))
+    def recv(self, shape, dtype, rank: int, what: str, patient: bool = False) -> torch.Tensor:
+        return self.take(self.post(shape, dtype, rank, what), patient)
 
     def broadcast(self, command: Command) -> None:
         """Rank 0: send this cycle's command to every rank (completion checked at `flush`)."""

@@ -110,6 +110,9 @@ class StageWorker:
         else:
             assert carried is not None and carried[0] == position, (self.k, carried, command)
             hidden = carried[1]
+        # the board said "waiting for ..." during the receive: say computing again (a peer waiting
+        # on this stage keeps waiting while it computes, see protocol.Link._wait_patiently)
+        self.link.on_wait("computing")
         t = now(self.link.device)
         out, snapshots = self._run(hidden, torch.tensor([position], device=self.link.device))
         verdict = self._verdict(out, command)
@@ -136,13 +139,14 @@ class StageWorker:
         self.cycle_seconds, self.prefill_seconds = [], 0.0
         if self.k == 0 and given is None:   # the whole prompt's embedding in one message
             given = self.link.recv((1, length, hidden_size), self.target.dtype, self.upstream,
-                                   "the prompt's embeddings")
+                                   "the prompt's embeddings", patient=True)
         chunks = prefill_chunks(length, self.prefill_chunk, self.target.recurrent)
         snapshots = []
         for span in chunks:
             hidden = given[:, span] if self.k == 0 else self.link.recv(
                 (1, span.stop - span.start, hidden_size), self.target.dtype, self.upstream,
-                f"the prompt's positions {span.start}..{span.stop - 1}")
+                f"the prompt's positions {span.start}..{span.stop - 1}", patient=True)   # behind upstream
+            self.link.on_wait("computing prefill")
             t = now(self.link.device)
             positions = torch.arange(span.start, span.stop, device=self.link.device)
             out, snaps = self._run(hidden, positions)

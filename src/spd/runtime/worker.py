@@ -14,7 +14,7 @@ import traceback
 
 import torch.distributed as dist
 
-from .faults import StatusBoard, die_with_parent
+from .faults import Progress, StatusBoard, die_with_parent
 from .layout import CONTROL_RANK
 from .protocol import Link, PeerError
 
@@ -42,7 +42,9 @@ def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_wo
         board.set(READY)
         board.publish()
         init_rank(spec, rank, world_size, store, local_rank, local_world)
-        link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, on_wait=board.set)
+        stage_ranks = [layout.stage_rank(j) for j in range(layout.n_stages)]
+        link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, on_wait=board.set,
+                    progress=Progress(board.read, [r for r in stage_ranks if r != rank]))
         worker = StageWorker(target, layout, k, link, spec.anchors, spec.prefill_chunk)
         log.info("stage %d (rank %d, pid %d): layers %d..%d on %s", k, rank, os.getpid(),
                  layout.stages[k].start, layout.stages[k].stop - 1, device)

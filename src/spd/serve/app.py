@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI-compatible routes over the worker, errors, streaming, and `run()`.
 
 Every generation request is checked (model, n, prompt length) before it takes a queue slot, so
-the errors come back as plain HTTP statuses: 400 for a request this server cannot serve, 404
-for another model, 422 for a body that does not parse, 429 when the queue is full. A client
-that goes away (mid-stream, or while waiting) cancels its job.
+the errors come back as plain HTTP statuses, always in OpenAI's error JSON: 400 for a body that
+does not parse or a request this server cannot serve (`param` names the field), 404 for another
+model, 429 when the queue is full, 503 while the pipeline is down; a 500 only for a server fault.
+A client that goes away (mid-stream, or while waiting) cancels its job.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI, Request   # the ASGI app: routes, pydantic bodies, OpenAPI docs
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .metrics import render as render_metrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, SamplingFields, Shape,
                        chat_prompt_ids, completion_budget, completion_prompt_ids)
 from .worker import Job, QueueFull, Scheduler
@@ -44,22 +46,34 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
-        headers = {"Retry-After": "1"} if err.status == 429 else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, err: RequestValidationError):
-        return JSONResponse(APIError(422, describe(err.errors())).body(), status_code=422)
+        errors = err.errors()
+        return error_response(APIError(400, describe(errors), error_param(errors)))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, err: HTTPException):
-        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+        return error_response(APIError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(Exception)
+    async def server_fault(request, err: Exception):   # a bug, not a bad request: still OpenAI's JSON
+        log.error("unhandled error answering %s", request.url.path, exc_info=err)
+        return error_response(APIError(500, f"internal server error: {type(err).__name__}", kind="server_error"))
 
     @app.get("/health")
     async def health():
-        state = {"status": "ok" if backend.alive else "failed", "model": backend.name,
-                 "n_stages": backend.n_stages, **scheduler.snapshot()}
-        return JSONResponse(state, status_code=200 if backend.alive else 503)
+        status = backend.state   # ok; recovering (stages restarting); failed (for good)
+        state = {"status": status, "model": backend.name, "n_stages": backend.n_stages,
+                 "restarts": backend.restarts, **scheduler.snapshot()}
+        if status != "ok":
+            state["reason"] = backend.failure
+        return JSONResponse(state, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(backend, scheduler), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -82,10 +96,7 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
                        asked: int | None, default: int | None, chat: bool):
         """Check the request, queue its job, and answer as one body or as a stream."""
         check_request(backend, body, prompt_ids)
-        try:
-            params = body.sampling()
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
+        params = body.sampling()
         budget = completion_budget(len(prompt_ids), asked, default, backend.max_model_len)
         eos = () if body.ignore_eos else backend.eos_token_ids
         job = Job(prompt_ids, params, budget, eos, body.stop_strings(), asyncio.get_running_loop())
@@ -102,6 +113,31 @@ def create_app(backend, queue_size: int = 16) -> FastAPI:
     return app
 
 
+class ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: a message that quotes a client's lone surrogate still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content).encode("ascii")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return ErrorJSON(err.body(), status_code=err.status, headers=headers)
+
+
+def error_param(errors: list[dict]) -> str | None:
+    """The request field the first validation error is about (OpenAI's `param`): 'temperature',
+    'messages[0]'; None when the body as a whole is wrong (not JSON, not an object)."""
+    for e in errors:
+        loc = e["loc"][1:] if e["loc"] and e["loc"][0] == "body" else e["loc"]
+        if e["type"] == "json_invalid" or not loc or not isinstance(loc[0], str):
+            continue
+        if len(loc) > 1 and isinstance(loc[1], int):
+            return f"{loc[0]}[{loc[1]}]"
+        return loc[0]
+    return None
+
+
 def describe(errors: list[dict]) -> str:
     """pydantic's validation errors -> one line naming each bad field."""
     if any(e["type"] == "json_invalid" for e in errors):
@@ -112,15 +148,18 @@ def describe(errors: list[dict]) -> str:
 
 
 def check_request(backend, body: SamplingFields, prompt_ids: list[int]) -> None:
-    if not backend.alive:
-        raise APIError(503, "the decoding pipeline failed (a stage process is gone; see the server "
-                            "log) and this server cannot decode any more: restart it", None, "server_error")
+    if backend.state == "failed":   # while "recovering", requests wait in the queue for the restart
+        raise APIError(503, f"the decoding pipeline failed and this server cannot decode any more: "
+                            f"{backend.failure}", None, "server_error")
     if body.model is not None and body.model != backend.name:
         raise APIError(404, f"model {body.model!r} is not served here; this server serves "
                             f"{backend.name!r} (see /v1/models)", "model", "not_found_error")
     if body.n != 1:
         raise APIError(400, f"n={body.n}: SPD decodes one sequence at a time; send n=1 "
                             f"(or n separate requests)", "n")
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty once tokenized (no tokens); send some text or token ids",
+                       "prompt")
     bad = [i for i in prompt_ids if not 0 <= i < backend.vocab_size]
     if bad:
         raise APIError(400, f"prompt token ids must lie in [0, {backend.vocab_size}); got {bad[:5]}",

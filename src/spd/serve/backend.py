@@ -2,18 +2,21 @@
 
 A backend decodes one sequence at a time and knows its tokenizer and limits. It knows nothing
 about HTTP, queues or text: the worker drives it (every call from the worker thread), the app
-talks to clients. `DistributedBackend` offers the same `stream()` over a spd.runtime session and
-pings its stage processes while no request comes, so an idle server keeps its pipeline.
+talks to clients. `DistributedBackend` offers the same `stream()` over a spd.runtime session,
+pings its stage processes while no request comes (so an idle server keeps its pipeline, and
+notices a dead stage), and restarts them after a stage died or froze, a bounded number of times.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Generator, Protocol
 
 from ..engine import SPDStats, stream
 from ..loading import Decoder, build_decoder
+from ..runtime.faults import StageFailure
 from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,9 @@ class Backend(Protocol):
     eos_token_ids: tuple[int, ...]
     n_stages: int
     keepalive_seconds: float | None  # call idle() at least this often between requests (None: never)
-    alive: bool                     # False once it cannot decode any more (a stage died)
+    state: str                      # "ok", "recovering" (heal() will restart it) or "failed" (for good)
+    failure: str | None             # why it is recovering or failed
+    restarts: int                   # how often heal() restarted it
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
                eos_token_ids, stats: SPDStats) -> Generator[int, None, None]:
@@ -35,6 +40,9 @@ class Backend(Protocol):
 
     def idle(self) -> None:
         """Nothing to decode for `keepalive_seconds`: keep whatever waits on us alive."""
+
+    def heal(self) -> None:
+        """state is "recovering": restart what failed (the worker calls it before the next job)."""
 
     def close(self) -> None:
         """The server stops: release processes and memory."""
@@ -48,7 +56,9 @@ class LocalBackend:
     name: str
     max_model_len: int
     keepalive_seconds = None
-    alive = True
+    state = "ok"
+    failure = None
+    restarts = 0
 
     @property
     def tokenizer(self):
@@ -74,26 +84,82 @@ class LocalBackend:
     def idle(self) -> None:
         pass
 
+    def heal(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 @dataclass
+class RestartPolicy:
+    """At most `limit` restarts within `window` seconds; one more failure then is final."""
+
+    limit: int = 3
+    window: float = 300.0
+    times: list[float] = field(default_factory=list)
+
+    def allow(self, now: float) -> bool:
+        self.times = [t for t in self.times if now - t < self.window]
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+
+@dataclass
 class DistributedBackend:
-    """SPD over spd.runtime: a stage process per stage (spawned here, or torchrun's), rank 0 here."""
+    """SPD over spd.runtime: a stage process per stage (spawned here, or torchrun's), rank 0 here.
+
+    When a stage dies or freezes, the session fails (the request in flight gets the error) and
+    closes; `heal` then starts the stage processes again, as `policy` allows."""
 
     session: object                 # spd.runtime.Session
     tokenizer: object | None
     name: str
     max_model_len: int
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    restarts: int = 0
+    failure: str | None = None      # the last failure (while recovering, or why it failed for good)
+    final: bool = False             # no more restarts
 
     @property
     def keepalive_seconds(self) -> float:
-        return self.session.spec.idle_timeout / 4   # several pings per idle timeout: one late one is fine
+        # several pings per idle timeout (one late one is fine), and at least every 2 s, so that a
+        # stage that dies between requests is restarted before the next request comes
+        return min(self.session.spec.idle_timeout / 4, 2.0)
 
     @property
-    def alive(self) -> bool:
-        return not self.session.closed
+    def state(self) -> str:
+        if self.final:
+            return "failed"
+        return "recovering" if self.session.closed else "ok"
+
+    def heal(self) -> None:
+        """Start the stage processes again with the same RunSpec (a new store and process group)."""
+        from ..runtime import start
+
+        if self.session.workers is None:   # torchrun's processes: not ours to restart
+            self.final = True
+            self.failure = (f"{self.failure}; the stages run under torchrun and cannot be restarted from "
+                            f"here: restart the job")
+            return
+        if not self.policy.allow(time.monotonic()):
+            self.final = True
+            self.failure = (f"the pipeline failed {self.policy.limit + 1} times within "
+                            f"{self.policy.window:.0f} s, so it is not restarted again (last failure: "
+                            f"{self.failure}); see the server log, then restart the server")
+            log.error("%s", self.failure)
+            return
+        log.warning("restarting the stage processes after: %s", self.failure)
+        try:
+            self.session = start(self.session.spec)
+        except Exception as err:  # noqa: BLE001 -- a failed start is one more failure; the policy bounds them
+            self.failure = f"restarting failed: {type(err).__name__}: {err}"
+            log.error("%s", self.failure)
+            return
+        self.restarts += 1
+        log.warning("stage processes restarted (%d restart(s) so far)", self.restarts)
 
     @property
     def vocab_size(self) -> int:
@@ -108,10 +174,18 @@ class DistributedBackend:
         return self.session.layout.n_stages
 
     def stream(self, prompt_ids, params, max_new_tokens, eos_token_ids, stats):
-        return self.session.stream(prompt_ids, None, params, max_new_tokens, eos_token_ids, stats)
+        try:
+            yield from self.session.stream(prompt_ids, None, params, max_new_tokens, eos_token_ids, stats)
+        except StageFailure as err:
+            self.failure = str(err)
+            raise
 
     def idle(self) -> None:
-        self.session.ping()
+        try:
+            self.session.ping()
+        except StageFailure as err:
+            self.failure = str(err)
+            raise
 
     def close(self) -> None:
         self.session.close()
@@ -146,7 +220,7 @@ def open_backend(model: str, pdm: str | None = None, stages: int | None = None,
 
 
 def _open_distributed(model, pdm, stages, split, dtype, max_model_len, served_model_name,
-                      draft_rank: str = "separate", **options) -> DistributedBackend | None:
+                      draft_rank: str = "separate", max_restarts: int = 3, **options) -> DistributedBackend | None:
     from ..runtime import plan, start
     from ..runtime.commands import load_tokenizer
     from ..runtime.weights import read_model_config
@@ -159,7 +233,8 @@ def _open_distributed(model, pdm, stages, split, dtype, max_model_len, served_mo
     session = start(spec)
     if session is None:   # a torchrun rank other than 0: its stage ran until the server stopped
         return None
-    return DistributedBackend(session, tokenizer, served_model_name or model, context)
+    return DistributedBackend(session, tokenizer, served_model_name or model, context,
+                              RestartPolicy(limit=max_restarts))
 
 
 def _context_limit(config, max_model_len: int | None) -> int:

@@ -20,6 +20,7 @@ def serve(
     timeout: float = typer.Option(30.0, min=0.1, help="--distributed: seconds a message may take before a request fails, naming the stage."),
     idle_timeout: float = typer.Option(600.0, min=1.0, help="--distributed: seconds a stage waits for the next command; the server pings idle stages every quarter of it."),
     lookahead: str = typer.Option("off", help="--distributed: off, on, or auto (start the next cycle before verifying)."),
+    max_restarts: int = typer.Option(3, min=0, help="--distributed: times the stage processes are restarted after a stage dies or freezes, within 5 minutes; one more failure then is final."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     queue_size: int = typer.Option(16, min=1, help="Requests that may wait while one decodes; more get 429."),
@@ -33,7 +34,7 @@ def serve(
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health) over SPD."""
     from ..cli import _setup, fail
 
-    _setup(threads if not distributed else None, verbose)
+    _setup(threads, verbose, set_threads=not distributed)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -49,7 +50,7 @@ def serve(
         from ..runtime.layout import parse_devices
 
         runtime.update(draft_rank=draft_rank, devices=parse_devices(devices), threads=threads, timeout=timeout,
-                       idle_timeout=idle_timeout, lookahead=lookahead)
+                       idle_timeout=idle_timeout, lookahead=lookahead, max_restarts=max_restarts)
     try:
         backend = open_backend(model, pdm, stages, parse_int_list(split, "--split"), distributed,
                                parse_dtype(dtype), device, max_model_len, served_model_name, **runtime)

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from ..engine import SPDStats
+from ..loading import check_utf8
 from ..sampling import SamplingParams
 
 
@@ -51,8 +52,11 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False                # extension: token ids in each choice
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0),
-                              top_p=self.top_p, seed=self.seed)
+        try:
+            return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0),
+                                  top_p=self.top_p, seed=self.seed)
+        except ValueError as err:   # the message starts with the field's name
+            raise APIError(400, str(err), str(err).split()[0]) from None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -86,9 +90,22 @@ def chat_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
     """Messages -> prompt ids through the model's chat template (as `spd generate --prompt`)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                         tokenize=False, add_generation_prompt=True)
+    for i, m in enumerate(messages):
+        check_text(m.text(), f"messages[{i}]")
+    try:
+        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 -- templates raise their own errors (e.g. roles must alternate)
+        raise APIError(400, f"the model's chat template refused these messages: {err}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_text(text: str, param: str) -> None:
+    """400 for text that is no valid Unicode (JSON's \\ud800 escapes make lone surrogates)."""
+    try:
+        check_utf8(text, param)
+    except ValueError as err:
+        raise APIError(400, str(err), param) from None
 
 
 def completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -97,6 +114,7 @@ def completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
         return list(prompt)
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+    check_text(prompt, "prompt")
     return tokenizer.encode(prompt)
 
 

@@ -72,6 +72,27 @@ class Counters:
     generated_tokens: int = 0
 
 
+@dataclass
+class Totals:
+    """Decode statistics summed over every request, for /metrics."""
+
+    prompt_tokens: int = 0
+    cycles: int = 0
+    decode_seconds: float = 0.0
+    verified_by_fill: list[int] = field(default_factory=list)
+    accepted_by_fill: list[int] = field(default_factory=list)
+
+    def add(self, stats: SPDStats) -> None:
+        self.prompt_tokens += stats.prompt_tokens
+        self.cycles += stats.cycles
+        self.decode_seconds += stats.decode_seconds
+        for name in ("verified_by_fill", "accepted_by_fill"):
+            mine, theirs = getattr(self, name), getattr(stats, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+
+
 class Scheduler:
     """The bounded queue and the worker thread in front of one backend."""
 
@@ -81,6 +102,7 @@ class Scheduler:
         self.backend = backend
         self.queue_size = queue_size
         self.counters = Counters()
+        self.totals = Totals()
         self.running: Job | None = None
         self._waiting: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._work, name="spd-serve-worker", daemon=True)
@@ -116,20 +138,27 @@ class Scheduler:
                             f"{self.queue_size}). Retry later.") from None
         return job
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting.qsize()
+
     def snapshot(self) -> dict:
         return {"running": int(self.running is not None), "waiting": self._waiting.qsize(),
                 "queue_size": self.queue_size, **vars(self.counters)}
 
     def _next_job(self) -> Job | None:
-        """The next job; while none comes, keep the backend alive every keepalive_seconds."""
+        """The next job; first heal a backend that failed; while no job comes, keep the backend
+        alive every keepalive_seconds (a failed keep-alive is healed the same way)."""
         while True:
-            wait = self.backend.keepalive_seconds if self.backend.alive else None
+            while self.backend.state == "recovering":   # each try counts: the backend bounds them
+                self.backend.heal()
+            wait = self.backend.keepalive_seconds if self.backend.state == "ok" else None
             try:
                 return self._waiting.get(timeout=wait)
             except queue.Empty:
                 try:
                     self.backend.idle()
-                except Exception:  # noqa: BLE001 -- the backend is gone: /health says so, requests fail
+                except Exception:  # noqa: BLE001 -- the backend failed: /health says so, heal() follows
                     log.exception("keeping the backend alive failed")
 
     def _work(self) -> None:
@@ -171,6 +200,7 @@ class Scheduler:
                     break
         finally:
             tokens.close()  # stops the decode when we leave early
+            self.totals.add(stats)
         if text.stopped or token in job.eos_token_ids:
             finish = "stop"
         self.counters.finished += 1
