@@ -18,6 +18,7 @@ from spd.runtime.controller import CycleTimes, LookaheadPolicy, breakdown
 from spd.runtime.faults import StatusBoard, diagnose
 from spd.runtime.layout import backend_for, pick_device
 from spd.runtime.protocol import Command, Op, report_indices
+from spd.runtime.stage import prefill_chunks
 from spd.runtime.weights import load_partial_target, parameter_count
 from spd.sampling import SamplingParams
 from spd.target import Target
@@ -107,6 +108,15 @@ def test_command_roundtrip_and_who_runs_what():
     assert Command.decode(command.encode("cpu")) == command
     assert [command.position(k) for k in range(4)] == [12, 11, 10, None]
     assert Command(Op.PREFILL, newest=4).position(0) is None
+    sampled = Command(Op.STEP, newest=3, first=2, crop=-1, sample=1)
+    assert Command.decode(sampled.encode("cpu")) == sampled
+    assert prefill_chunks(10, 4, recurrent=False) == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    assert prefill_chunks(10, 4, recurrent=True) == [slice(0, 10)]
+    assert Layout.of(30, 2, draft_rank="with-first-stage").head_on_last
+    assert not Layout.of(30, 1, draft_rank="with-first-stage").head_on_last   # one process: head is local
+    assert not Layout.of(30, 2, head="control").head_on_last
+    with pytest.raises(LayoutError, match="--head must be one of last, control"):
+        Layout.of(30, 2, head="middle")
     stage = range(10, 20)
     assert report_indices(stage, [0, 10, 15, 30], 30, last=False) == [15]
     assert report_indices(range(20, 30), [0, 10, 15], 30, last=True) == [30]

@@ -1,8 +1,10 @@
 """Distributed SPD (gloo, CPU, one process per stage) == single-process engine == AR, token for token.
 
-n=2 and n=3, draft rank separate and co-located with stage 0; oracle (all accepted), adversarial
-(all rejected), PDM, hybrid (the run's default drafter), retrieval and seeded-sampling runs; EOS while drafts are still in flight; budgets
-shorter than the pipeline. Each rank must hold exactly its own parameters.
+n=2 and n=3, draft rank separate and co-located with stage 0, final norm + lm_head on the last
+stage's rank or on rank 0; oracle (all accepted), adversarial (all rejected), PDM, hybrid (the
+run's default drafter), retrieval and seeded-sampling runs; EOS while drafts are still in flight;
+budgets shorter than the pipeline; a prompt longer than several prefill chunks (pipelined
+prefill). Each rank must hold exactly its own parameters.
 """
 
 import pytest
@@ -21,9 +23,11 @@ from spd.runtime.weights import parameter_count
 from spd.sampling import SamplingParams
 from spd.target import Target, split_layers
 
-PROMPTS = [[3, 17, 5, 9, 22], [40, 2, 2, 2, 2, 2, 2, 2, 2, 7, 11, 60]]
+PROMPTS = [[3, 17, 5, 9, 22], [40, 2, 2, 2, 2, 2, 2, 2, 2, 7, 11, 60],
+           [(7 * i + 3) % 61 for i in range(37)]]   # 37 positions: 10 prefill chunks of 4 (the last short)
 NEW = 16
-LAYOUTS = [(2, "separate", "off"), (2, "with-first-stage", "on"), (3, "separate", "auto"), (3, "with-first-stage", "on")]
+LAYOUTS = [(2, "separate", "off", "control"), (2, "with-first-stage", "on", "last"), (3, "separate", "auto", "last"),
+           (3, "with-first-stage", "on", "last"), (2, "with-first-stage", "auto", "control")]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +53,12 @@ def check_parameters_per_rank(session, full: Target, stages) -> None:
         if rank != 0:
             status = read_status(session.store, rank)
             assert status["layers"] == list(stage)
-            assert status["params"] == sum(params_of(full.layers[i]) for i in stage)
+            head = params_of(full.norm) + params_of(full.lm_head) if layout.head_on_last and k == len(stages) - 1 else 0
+            assert status["params"] == sum(params_of(full.layers[i]) for i in stage) + head
 
 
-@pytest.mark.parametrize("n,draft_rank,lookahead", LAYOUTS)
-def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahead):
+@pytest.mark.parametrize("n,draft_rank,lookahead,head", LAYOUTS)
+def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahead, head):
     model, folder = checkpoint
     full = Target.from_hf(model)
     stages = split_layers(full.num_layers, n)
@@ -70,7 +75,7 @@ def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahea
         yield "retrieval", session.drafter("retrieval"), RetrievalDrafter()
 
     spec = plan(str(folder / "model"), stages=n, draft_rank=draft_rank, pdm=str(pdm_dir), timeout=20, threads=1,
-                lookahead=lookahead)
+                lookahead=lookahead, head=head, prefill_chunk=4)
     with start(spec) as session:
         check_parameters_per_rank(session, full, stages)
         for prompt in PROMPTS:
@@ -108,10 +113,11 @@ def test_distributed_equals_engine_equals_ar(checkpoint, n, draft_rank, lookahea
         assert session.generate(prompt, OracleDrafter(reference), max_new_tokens=NEW, eos_token_ids=()).tokens == reference
 
         sampled = SamplingParams(temperature=0.9, top_k=20, seed=7)
-        for kind, engine_drafter in (("pdm", PDMDrafter(local_pdm)), ("hybrid", HybridDrafter(local_pdm, Gate()))):
-            ours = session.generate(prompt, session.drafter(kind), sampled, max_new_tokens=NEW, eos_token_ids=())
-            theirs = generate(full, engine_drafter, prompt, stages, sampled, max_new_tokens=NEW, eos_token_ids=())
-            assert ours.tokens == theirs.tokens, kind
+        for prompt in (PROMPTS[0], PROMPTS[2]):   # the sampled first token comes from a pipelined prefill
+            for kind, engine_drafter in (("pdm", PDMDrafter(local_pdm)), ("hybrid", HybridDrafter(local_pdm, Gate()))):
+                ours = session.generate(prompt, session.drafter(kind), sampled, max_new_tokens=NEW, eos_token_ids=())
+                theirs = generate(full, engine_drafter, prompt, stages, sampled, max_new_tokens=NEW, eos_token_ids=())
+                assert ours.tokens == theirs.tokens, kind
 
 
 def test_colocated_single_stage_is_one_process(checkpoint):

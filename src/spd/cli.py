@@ -261,6 +261,8 @@ bench_app.command("run")(bench_run)
 bench_app.command("report")(bench_report)
 from .bench.wallclock import bench_wallclock  # noqa: E402  (options only; the runtime loads lazily)
 bench_app.command("wallclock")(bench_wallclock)
+from .bench.planner import plan_command  # noqa: E402  (options only; measuring loads lazily)
+app.command("plan")(plan_command)
 
 
 def main() -> None:  # python -m spd.cli

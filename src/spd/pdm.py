@@ -37,6 +37,22 @@ def default_anchors(stage_layers: list[int]) -> list[int]:
     return anchors
 
 
+def types_by_depth(stage_layers, anchors) -> list[int]:
+    """For depth d = 0..n: how many anchors a token that passed d stages has (its PDM type + 1)."""
+    bounds = [0]
+    for count in stage_layers:
+        bounds.append(bounds[-1] + count)
+    return [sum(a <= b for a in anchors) for b in bounds]
+
+
+def fits_split(trained: list[int], anchors, counts: list[int]) -> bool:
+    """A PDM trained for split `trained` drafts exactly as trained under split `counts` when every
+    depth reaches the same anchors: its inputs are the same hidden states either way (e.g. a
+    15/15 PDM with anchors 0,15,30 runs unchanged on 17/13, but not on 14/16)."""
+    return (len(trained) == len(counts) and sum(trained) == sum(counts)
+            and types_by_depth(trained, anchors) == types_by_depth(counts, anchors))
+
+
 def check_anchors(anchors: list[int], num_layers: int, n_stages: int) -> None:
     if not anchors or anchors[0] != 0:
         raise ValueError(f"anchors must start at 0 (the embedding), got {anchors}")

@@ -30,9 +30,18 @@ def shipped_pdm(model: str, stages: int | None, split: list[int] | None) -> str 
         return None
     from .target import split_layers
 
+    from .pdm import fits_split
+
     n = len(split) if split is not None else (stages if stages is not None else 2)
-    folder = shipped_pdm_dir([len(s) for s in split_layers(30, n, split)])
-    return str(folder) if (folder / "pdm_config.json").is_file() else None
+    counts = [len(s) for s in split_layers(30, n, split)]
+    folder = shipped_pdm_dir(counts)
+    if (folder / "pdm_config.json").is_file():
+        return str(folder)
+    for trained in shipped_splits().values():   # one trained for another split that drafts alike on this one
+        config = json.loads((shipped_pdm_dir(trained) / "pdm_config.json").read_text())
+        if fits_split(trained, config["anchors"], counts):
+            return str(shipped_pdm_dir(trained))
+    return None
 
 
 def demo_pdm(stages: int) -> str:

@@ -7,6 +7,13 @@ continuation: every draft accepted) is the upper bound of a perfect PDM; `pdm` i
 PDM for the split when there is one, else a random one (nearly every draft rejected). The AR
 model lives only in this harness process, for the baseline; the SPD control rank's own Target
 holds only embedding, norm and lm_head (+ stage 0 when co-located).
+`--split auto` (the default) first times the parts on this device (`planner.measure_costs`:
+one layer alone and with the other cores busy, the head, each drafter, one message) and picks
+the split with the shortest predicted cycle, keeping the shipped PDM's anchors at every depth.
+Every drafter's result carries `predicted_tokens_per_second` from that cost model, the run's
+acceptance by fill and the drafter's mean draft time, next to the measured one.
+Two ratios everywhere: against AR on the same total cores (every thread) and against AR on one
+thread (one device: the paper's framing, n devices against one).
 This is a benchmark, not a test: it prints what it measured, and the ratio can fall short.
 """
 
@@ -39,12 +46,45 @@ def weighted_breakdown(runs: list[dict]) -> dict:
     return out
 
 
-def measure(model: str = "default", stages: int = 2, split: list[int] | None = None,
+def choose_split(costs, stages: int, draft_rank: str, head: str, drafters, pdm: str | None) -> list[int]:
+    """`--split auto`: the balanced split for the mean draft cost of the run's drafters, where a
+    trained PDM sees the anchors it was trained with at every depth."""
+    from ..checkpoint import read_config
+    from ..pdm import types_by_depth
+    from .planner import balanced_split
+
+    allowed = None
+    if pdm is not None and any(d != "oracle" for d in drafters):
+        config = read_config(pdm)
+        want = types_by_depth(list(config.stage_layers), config.anchors)
+        allowed = lambda d, b: sum(a <= b for a in config.anchors) == want[d]  # noqa: E731
+    draft = sum(costs.draft_ms.get(d, 0.0) for d in drafters) / len(drafters)
+    return list(balanced_split(costs, stages, draft_rank, head, draft, allowed))
+
+
+def measure_device_costs(model: str, stages: int, dtype: str, drafters, pdm: str | None, target):
+    """Time layer, head, message and each drafter's call on this device (planner.measure_costs)."""
+    from ..checkpoint import load_pdm
+    from ..retrieval import Gate, make_drafter
+    from .costs import pipeline_draft_step
+    from .planner import measure_costs
+
+    calls = {}
+    if pdm is not None:
+        loaded = load_pdm(pdm, target)
+        for name in drafters:
+            if name != "oracle":
+                calls[name] = pipeline_draft_step(target, make_drafter(name, loaded, Gate.load(pdm)), stages, 64)
+    costs = measure_costs(target, calls)
+    return costs
+
+
+def measure(model: str = "default", stages: int = 2, split: list[int] | str | None = "auto",
             draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm", "hybrid"),
             prompts: list[str] | None = None, max_new_tokens: int = 64, ar_threads: tuple[int, ...] = (),
             threads: int | None = None, pdm: str | None = None, dtype: str = "float32",
-            lookahead: str = "auto") -> dict:
-    """Run the benchmark; returns {ar: {...}, <drafter>: {...}, settings: {...}}."""
+            lookahead: str = "auto", head: str = "last") -> dict:
+    """Run the benchmark; returns {ar: {...}, <drafter>: {...}, costs: {...}, settings: {...}}."""
     import torch
 
     from ..baselines.ar import ar_generate
@@ -53,11 +93,23 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | None = N
     from ..runtime import plan, start
     from ..target import load_target
 
-    spec = plan(model, stages, split, draft_rank, pdm, dtype=dtype, threads=threads, timeout=60.0, lookahead=lookahead)
+    from dataclasses import asdict
+
+    from .planner import acceptance_profile, predict
+
+    auto = split == "auto"
+    spec = plan(model, stages, None if auto else split, draft_rank, pdm, dtype=dtype, threads=threads, timeout=60.0,
+                lookahead=lookahead, head=head)
+    target, tokenizer = load_target(spec.model, dtype=parse_dtype(dtype))
+    costs = measure_device_costs(model, stages, dtype, drafters, spec.pdm, target)
+    if auto:
+        chosen = choose_split(costs, stages, draft_rank, head, drafters, spec.pdm)
+        spec = plan(model, stages, chosen, draft_rank, spec.pdm, dtype=dtype, threads=threads, timeout=60.0,
+                    lookahead=lookahead, head=head)
+        log.warning("--split auto: %s for %s, head on %s", chosen, draft_rank, head)
     cores = os.cpu_count() or 1
     ar_threads = tuple(ar_threads) or tuple(sorted({cores, 1}, reverse=True))
     spd_threads = spec.threads or max(1, cores // spec.layout.world_size)
-    target, tokenizer = load_target(spec.model, dtype=parse_dtype(dtype))
     texts = prompts or PROMPTS
     ids = [encode_prompt(tokenizer, text) if tokenizer is not None else [1, 2, 3] for text in texts]
     results = {"ar": {t: {"threads": t, "tokens": 0, "seconds": 0.0} for t in ar_threads}}
@@ -91,17 +143,31 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | None = N
                 r["rejected"] += s.rejected
                 r["identical"] &= out.tokens == reference
                 r["breakdowns"].append(s.breakdown)
+                r["verified_by_fill"] = [a + b for a, b in zip(r.get("verified_by_fill", [0] * stages), s.verified_by_fill)]
+                r["accepted_by_fill"] = [a + b for a, b in zip(r.get("accepted_by_fill", [0] * stages), s.accepted_by_fill)]
+                r["draft_seconds"] = r.get("draft_seconds", 0.0) + s.pdm_seconds
                 log.info("%s: %d tokens in %.2f s", name, s.new_tokens, s.decode_seconds)
     for r in results["ar"].values():
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
     best = max(results["ar"].values(), key=lambda r: r["tokens_per_second"])
     results["ar"] = list(results["ar"].values())
     ar_rate, all_cores = best["tokens_per_second"], results["ar"][0]["tokens_per_second"]
+    one_thread = min(results["ar"], key=lambda r: r["threads"])["tokens_per_second"]
     for name in drafters:
         r = results[name]
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
         r["ratio_vs_ar"] = r["tokens_per_second"] / ar_rate   # against the fastest AR setting
         r["ratio_vs_ar_first_setting"] = r["tokens_per_second"] / all_cores
+        r["ratio_vs_ar_all_cores"] = r["tokens_per_second"] / all_cores      # same total cores
+        r["ratio_vs_ar_one_thread"] = r["tokens_per_second"] / one_thread    # one device
+        # the cost model: device costs measured before the run, this run's acceptance by fill, and
+        # the drafter's mean draft time in the run (a hybrid's depends on how often it skips the PDM)
+        draft_ms = 1000.0 * r.pop("draft_seconds") / max(1, r["cycles"]) / costs.contention
+        guess = predict(costs, spec.stage_layers, draft_rank, spec.head, acceptance_profile(r), name, draft_ms,
+                        new_tokens=max_new_tokens, lookahead=None if lookahead == "auto" else lookahead == "on")
+        r["predicted_tokens_per_second"] = guess.tokens_per_second
+        r["predicted_cycle_ms"] = guess.cycle_ms
+        r["prediction_error"] = guess.tokens_per_second / r["tokens_per_second"] - 1.0
         r["tokens_per_cycle"] = (r["tokens"] + len(ids)) / r["cycles"] if r["cycles"] else 0.0
         r["per_draft_acceptance"] = r["accepted"] / max(1, r["accepted"] + r["rejected"])
         r["breakdown"] = weighted_breakdown(r.pop("breakdowns"))
@@ -111,7 +177,9 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | None = N
                            "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                            "spd_threads_per_process": spd_threads, "prompts": len(ids),
                            "max_new_tokens": max_new_tokens, "dtype": dtype, "lookahead": lookahead,
-                           "pdm": spec.pdm or "random (no shipped PDM for this split)"}
+                           "pdm": spec.pdm or "random (no shipped PDM for this split)",
+                           "split": "auto" if auto else "given", "head": spec.head}
+    results["costs"] = asdict(costs)
     return results
 
 
@@ -123,13 +191,20 @@ def format_report(results: dict) -> str:
              f"{s['cores']} cores), {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['dtype']}"
              + f", lookahead {s['lookahead']}"
              + (f"; load average {load[0]:.1f} -> {load[1]:.1f}" if load[0] is not None else "")]
+    c = results["costs"]
+    lines.append(f"  split {s['split']}, head on {'the last stage' if s['head'] == 'last' else 'rank 0'}; device costs: "
+                 f"layer {c['layer_ms']:.2f} ms (x{c['contention']:.2f} with every core busy), head "
+                 f"{c['head_ms']:.2f} ms, message {c['message_ms']:.2f} ms, draft "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in c["draft_ms"].items()) + " ms")
     for r in results["ar"]:
         lines.append(f"  AR ({r['threads']} threads)    {r['tokens_per_second']:7.2f} tok/s")
     for name, r in results.items():
-        if name in ("ar", "settings"):
+        if name in ("ar", "settings", "costs"):
             continue
         label = f"SPD {name}"
-        lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s  ratio {r['ratio_vs_ar']:.2f} (vs fastest AR)"
+        lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s (predicted {r['predicted_tokens_per_second']:.2f},"
+                     f" {r['prediction_error']:+.0%})  x{r['ratio_vs_ar_all_cores']:.2f} AR all cores, "
+                     f"x{r['ratio_vs_ar_one_thread']:.2f} AR 1 thread"
                      f"  tokens/cycle {r['tokens_per_cycle']:.3f}  per-draft acceptance {r['per_draft_acceptance']:.3f}"
                      f"  {'identical to AR' if r['identical'] else 'DIFFERENT from AR'}")
         b = r["breakdown"]
@@ -144,7 +219,8 @@ def format_report(results: dict) -> str:
 def bench_wallclock(
     model: str = typer.Option("default", help="Target model folder, hub id, or 'default' (SmolLM2-135M-Instruct)."),
     stages: int = typer.Option(2, "--stages", "-n", min=1, help="Pipeline stages n."),
-    split: Optional[str] = typer.Option(None, help="Layers per stage, e.g. 13,17 (default: most even split)."),
+    split: str = typer.Option("auto", help="Layers per stage, e.g. 13,17, or auto: balanced by measured costs."),
+    head: str = typer.Option("last", help="Final norm + lm_head on the last stage's rank (last) or on rank 0 (control)."),
     draft_rank: str = typer.Option("with-first-stage", help="'separate' (n+1 processes) or 'with-first-stage' (n)."),
     drafters: str = typer.Option("oracle,pdm,hybrid", help="Comma-separated: oracle (upper bound), pdm (shipped, else "
                                  "random), hybrid (retrieval beside the PDM), retrieval (no PDM)."),
@@ -165,9 +241,9 @@ def bench_wallclock(
     if not names or any(d not in ("oracle", "pdm", "hybrid", "retrieval") for d in names):
         raise typer.BadParameter(f"--drafters takes oracle, pdm, hybrid and/or retrieval, got {drafters!r}")
     try:
-        results = measure(model, stages, parse_int_list(split, "--split"), draft_rank, names,
-                          PROMPTS[:prompts], max_new_tokens, tuple(parse_int_list(ar_threads, "--ar-threads") or ()),
-                          threads, pdm, dtype, lookahead)
+        results = measure(model, stages, "auto" if split == "auto" else parse_int_list(split, "--split"), draft_rank,
+                          names, PROMPTS[:prompts], max_new_tokens,
+                          tuple(parse_int_list(ar_threads, "--ar-threads") or ()), threads, pdm, dtype, lookahead, head)
     except (LayoutError, ValueError, FileNotFoundError) as err:
         typer.secho(f"error: {err}", fg="red", err=True)
         raise typer.Exit(2)

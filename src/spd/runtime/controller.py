@@ -8,8 +8,10 @@ admit, settle = verify + truncate), `store_snapshots`, `DraftState`, the drafter
 1. broadcast the command (newest/oldest in-flight positions, and the crop of the last
    rejection), send the newest token's embedding to stage 0 (or run stage 0 here);
 2. draft from pre-step features while the stages compute (PPSD-style drafters: after step 3);
-3. take the stages' reports: anchor hidden states for the PDM, and the finished token;
-4. if a token finished: lm_head + verify; a rejection becomes the next command's crop.
+3. take the stages' reports: anchor hidden states for the PDM, and the finished token (its
+   hidden state, or -- head on the last stage -- its argmax / logits computed there);
+4. if a token finished: lm_head (unless done by the last stage) + verify; a rejection becomes
+   the next command's crop.
 
 Timing of every cycle is kept for the breakdown (PDM, slowest stage, verify, communication,
 idle) that `breakdown` computes once the stages sent their compute times.
@@ -79,6 +81,7 @@ class Issued:
     work: list[tuple[int, int]]      # (position, stage k)
     hidden: torch.Tensor             # stage 0's input
     posted: dict                     # stage k -> pending report receive
+    verdict: tuple | None            # pending receive of the last stage's argmax / logits (head there)
     times: CycleTimes
     start: float
     reports: dict = field(default_factory=dict)
@@ -131,8 +134,9 @@ class Controller:
         self._last: Issued | None = None   # the latest STEP, whose total the next command closes
         self.anchors = sorted(set(anchors))
         n = layout.n_stages
-        self.rows = [report_indices(layout.stages[k], self.anchors, layout.num_layers, k == n - 1)
-                     for k in range(n)]
+        self.rows = [report_indices(layout.stages[k], self.anchors, layout.num_layers,
+                                    k == n - 1 and not layout.head_on_last) for k in range(n)]
+        self._sample = 0   # this sequence samples: a last stage holding the head sends logits
 
     # -- one cycle's messages -------------------------------------------------------------------
     def _close_times(self, t: float) -> None:
@@ -149,9 +153,14 @@ class Controller:
         posted = {k: self.link.post((len(self.rows[k]), hidden.shape[1], self.target.hidden_size), self.target.dtype,
                                     self.layout.stage_rank(k), f"the report of stage {k}")
                   for _, k in work if self.rows[k] and self.layout.stage_rank(k) != CONTROL_RANK}
+        verdict = None
+        last = self.layout.n_stages - 1
+        if self.layout.head_on_last and any(k == last for _, k in work):
+            shape, dtype = ((self.target.vocab_size,), torch.float32) if command.sample else ((1,), torch.long)
+            verdict = self.link.post(shape, dtype, self.layout.stage_rank(last), "the verdict input of the last stage")
         if self.local is None:
             self.link.send(hidden, self.layout.stage_rank(0), "the input of stage 0")
-        issued = Issued(command, work, hidden, posted, CycleTimes(), start)
+        issued = Issued(command, work, hidden, posted, verdict, CycleTimes(), start)
         self._last = issued if command.op == Op.STEP else None
         return issued
 
@@ -167,19 +176,33 @@ class Controller:
                 self.board.set("control")
 
     def _collect(self, cycle: Issued, features, column, patient: bool = False) -> torch.Tensor | None:
-        """Wait for the cycle's reports and store their anchors; the last stage's output rows
-        (q, H), or None when it did not run. `patient`: the prefill, which may compute for long."""
+        """Wait for the cycle's reports and store their anchors; what the last stage sent about
+        the finished token (see `logits`), or None when it did not run. `patient`: the prefill,
+        which may compute for long."""
         cycle.times.own = now(self.link.device) - cycle.start
         for k, message in cycle.posted.items():
             cycle.reports[k] = self.link.take(message, patient)
+        verdict = self.link.take(cycle.verdict, patient) if cycle.verdict is not None else None
         self.link.flush(before_cycle=True)
         positions = {k: slice(p, p + cycle.hidden.shape[1]) for p, k in cycle.work}
         for k, report in cycle.reports.items():
             if report is not None:
                 store_snapshots(features, positions[k], dict(zip(self.rows[k], report)), column)
         cycle.times.reports = now(self.link.device) - cycle.start
+        if self.layout.head_on_last:
+            return verdict
         last = cycle.reports.get(self.layout.n_stages - 1)
         return None if last is None else last[-1]   # row L is the last report row
+
+    def logits(self, finished: torch.Tensor) -> torch.Tensor:
+        """(V,) target logits of the finished token, for `sample` / `Pipeline.settle`: from its
+        (q, H) pre-norm rows here, or as the last stage sent them. A greedy last stage sends only
+        the argmax, which is all greedy verification reads: a one-hot stands for the logits."""
+        if not self.layout.head_on_last:
+            return self.target.logits(finished[-1])
+        if finished.dtype == torch.long:
+            return torch.nn.functional.one_hot(finished[0], self.target.vocab_size).float()
+        return finished
 
     def _waste(self, cycle: Issued) -> None:
         """Finish a looked-ahead cycle whose work a rejection (or the end) made useless."""
@@ -187,25 +210,27 @@ class Controller:
             self.local.skip(cycle.command)
         for message in cycle.posted.values():
             self.link.take(message)
+        if cycle.verdict is not None:
+            self.link.take(cycle.verdict)
         self.link.flush(before_cycle=True)
 
     def _step(self, tokens, newest: int, first: int, crop: int, features, column) -> Issued:
         """Issue the STEP for in-flight positions first..newest: the newest enters at depth 0."""
-        command = Command(Op.STEP, newest=newest, first=first, crop=crop)
+        command = Command(Op.STEP, newest=newest, first=first, crop=crop, sample=self._sample)
         hidden = self.target.embed(torch.tensor(tokens[newest:newest + 1], device=self.link.device))
         store_snapshots(features, [newest], {0: hidden[0]}, column)   # its depth-0 feature
         return self._issue(command, hidden, [(p, newest - p) for p in range(newest, first - 1, -1)])
 
     def _prefill(self, prompt_ids, features, column, params, gen) -> int:
-        """The prompt through every stage in turn (crop to 0 first); the target's own first token."""
+        """The prompt through the stages, pipelined in chunks (crop to 0 first); the target's own
+        first token."""
         length = len(prompt_ids)
         hidden = self.target.embed(torch.tensor(prompt_ids, device=self.link.device))
         store_snapshots(features, slice(0, length), {0: hidden[0]}, column)
-        prefill = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0), hidden,
+        prefill = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0, sample=self._sample), hidden,
                               [(0, k) for k in range(self.layout.n_stages)])
         self._run_local(prefill)
-        last = self._collect(prefill, features, column, patient=True)
-        return sample(self.target.logits(last[-1]), params, gen)
+        return sample(self.logits(self._collect(prefill, features, column, patient=True)), params, gen)
 
     # -- the schedule -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -225,6 +250,7 @@ class Controller:
         cycles = cycles if cycles is not None else []
         if max_new_tokens < 1:
             return
+        self._sample = int(not params.greedy)
         eos, gen = set(eos_token_ids), params.generator(device)
         column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
         capacity = len(prompt_ids) + max_new_tokens + n + 1
@@ -263,7 +289,7 @@ class Controller:
                 if policy.ahead():     # issue the next cycle as if the draft is accepted, then verify
                     ahead = self._step(tokens, pipe.newest, pipe.first_inflight + 1, -1, features, column)
                 t = now(device)
-                accepted, token, checked = pipe.settle(target.logits(finished[0]), params, gen)
+                accepted, token, checked = pipe.settle(self.logits(finished), params, gen)
                 stats.count(*drafted.pop(checked), accepted)
                 if not accepted:
                     drafted.clear()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..checkpoint import read_config
 from ..engine import GenerationResult
-from ..pdm import default_anchors
+from ..pdm import default_anchors, fits_split
 from ..retrieval import Gate, drafter_kind, make_drafter
 from ..sampling import SamplingParams
 from ..shipped import shipped_pdm
@@ -57,10 +57,13 @@ class RunSpec:
     pdm_layers: int = 1
     lookahead: str = "off"           # off / on / auto: issue the next cycle before verifying
     drafter: str = "hybrid"          # rank 0's drafter: hybrid / pdm / retrieval (spd.retrieval)
+    head: str = "last"               # final norm + lm_head on the last stage's rank, or "control" (rank 0)
+    prefill_chunk: int = 32          # prompt positions per pipelined prefill message
 
     @property
     def layout(self) -> Layout:
-        return Layout.of(sum(self.stage_layers), len(self.stage_layers), list(self.stage_layers), self.draft_rank)
+        return Layout.of(sum(self.stage_layers), len(self.stage_layers), list(self.stage_layers), self.draft_rank,
+                         self.head)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -93,7 +96,7 @@ def plan(model: str, stages: int | None = None, split: list[int] | None = None, 
         if pdm_config.target.num_layers != num_layers:
             raise LayoutError(f"PDM checkpoint {pdm} was made for a target with {pdm_config.target.num_layers} "
                               f"layers, but {model} has {num_layers}")
-        if tuple(pdm_config.stage_layers) != counts:
+        if not fits_split(list(pdm_config.stage_layers), pdm_config.anchors, list(counts)):
             raise LayoutError(f"PDM checkpoint {pdm} was trained for n={pdm_config.n_stages} stages split "
                               f"{list(pdm_config.stage_layers)}, but {n} stages split {list(counts)} were asked "
                               f"for; use --stages {pdm_config.n_stages} or train a PDM for this split")
@@ -323,7 +326,7 @@ def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int
     board = StatusBoard(store, CONTROL_RANK).start() if layout.colocated else None
     read = board.read if board is not None else (lambda rank: read_status(store, rank))
     link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, progress=Progress(read, remote))
-    local = StageWorker(target, layout, 0, link, spec.anchors) if layout.colocated else None
+    local = StageWorker(target, layout, 0, link, spec.anchors, spec.prefill_chunk) if layout.colocated else None
     controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead, board=board)
     return Session(spec, controller, store, workers, pdm)
 
@@ -353,7 +356,7 @@ def _load_pdm(spec: RunSpec, target):
     from ..pdm import PDM
 
     if spec.pdm is not None:
-        return load_pdm(spec.pdm, target, list(spec.stage_layers))
+        return load_pdm(spec.pdm, target)   # plan() checked that it fits the split
     if spec.drafter == "retrieval":
         return None
     log.warning("no --pdm given: drafting with a randomly initialised PDM. Output is still exact, "

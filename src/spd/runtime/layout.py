@@ -3,6 +3,8 @@
 n stages need n+1 processes with `draft_rank="separate"` (rank 0 controls: embedding, final
 norm, lm_head, PDM, verification; rank k+1 runs stage k) or n processes with
 `draft_rank="with-first-stage"` (rank 0 controls and runs stage 0; rank k runs stage k).
+`head` places the final norm + lm_head: on the last stage's rank ("last", the default: it
+balances the ranks when rank 0 also runs stage 0 and the drafter) or on the control rank.
 Everything here is a pure function of the arguments, checked before any weights load.
 """
 
@@ -17,6 +19,7 @@ from ..target import split_layers
 
 CONTROL_RANK = 0
 DRAFT_RANKS = ("separate", "with-first-stage")
+HEADS = ("last", "control")   # where final norm + lm_head run: the last stage's rank, or rank 0
 
 
 class LayoutError(ValueError):
@@ -27,19 +30,28 @@ class LayoutError(ValueError):
 class Layout:
     stages: tuple[range, ...]       # global layer indices of each stage
     draft_rank: str = "separate"
+    head: str = "last"
 
     def __post_init__(self):
         if self.draft_rank not in DRAFT_RANKS:
             raise LayoutError(f"--draft-rank must be one of {', '.join(DRAFT_RANKS)}; got {self.draft_rank!r}")
+        if self.head not in HEADS:
+            raise LayoutError(f"--head must be one of {', '.join(HEADS)}; got {self.head!r}")
 
     @classmethod
     def of(cls, num_layers: int, n_stages: int, counts: list[int] | None = None,
-           draft_rank: str = "separate") -> "Layout":
+           draft_rank: str = "separate", head: str = "last") -> "Layout":
         try:
             stages = split_layers(num_layers, n_stages, counts)
         except ValueError as err:
             raise LayoutError(str(err)) from None
-        return cls(tuple(stages), draft_rank)
+        return cls(tuple(stages), draft_rank, head)
+
+    @property
+    def head_on_last(self) -> bool:
+        """True when the last stage's process (not rank 0) applies norm + lm_head and sends rank 0
+        only what verification needs (the argmax, or the logits when sampling)."""
+        return self.head == "last" and self.stage_rank(self.n_stages - 1) != CONTROL_RANK
 
     @property
     def n_stages(self) -> int:

@@ -1,8 +1,9 @@
 """The runtime's messages: one command per cycle broadcast by rank 0, and point-to-point tensors.
 
-Every cycle rank 0 broadcasts a `Command` (int64 x 4): the op, the newest and oldest in-flight
-positions, and the position to crop every KV cache to first (the last cycle's rejection, or 0
-for a new sequence). From it each stage works out alone whether it runs this cycle and on which
+Every cycle rank 0 broadcasts a `Command` (int64 x 5): the op, the newest and oldest in-flight
+positions, the position to crop every KV cache to first (the last cycle's rejection, or 0
+for a new sequence), and whether the sequence samples (then a last stage that holds the head
+returns the target's logits, else only their argmax). From it each stage works out alone whether it runs this cycle and on which
 position (stage k runs position newest - k when that is in flight), and whether its upstream
 neighbour sent it a hidden state last cycle. Tensors that flow:
 
@@ -10,6 +11,8 @@ neighbour sent it a hidden state last cycle. Tensors that flow:
 - stage k -> stage k+1: its output, which stage k+1 runs in the NEXT cycle (at prefill: at once);
 - stage k -> control: its *report* (r_k, q, H): the hidden states at the anchors it passes and,
   for the last stage, its output (index L, pre-norm) -- the finished token the control verifies;
+  with the head on the last stage (layout.head_on_last) it instead sends the finished token's
+  *verdict input*: its argmax (int64, 1) when greedy, its logits (float32, V) when sampling;
 - at a STATS command: each stage's compute seconds per cycle (float64) since the last STATS.
 
 `Link` wraps torch.distributed point-to-point calls with a deadline on every wait; a wait that
@@ -40,12 +43,16 @@ class Op(enum.IntEnum):
     PING = 4      # between sequences: nothing to do (keeps an idle stage within its idle timeout)
 
 
+COMMAND_SIZE = 5
+
+
 @dataclass(frozen=True)
 class Command:
     op: Op
     newest: int = -1     # newest in-flight position (PREFILL: the prompt's last position)
     first: int = 0       # oldest in-flight position
     crop: int = -1       # crop every KV cache to this position before anything else (-1: keep)
+    sample: int = 0      # 1: the sequence samples (a last stage holding the head sends logits)
 
     def position(self, k: int) -> int | None:
         """The position stage k runs under this command (STEP), or None when it idles."""
@@ -55,12 +62,13 @@ class Command:
         return position if position >= self.first else None
 
     def encode(self, device) -> torch.Tensor:
-        return torch.tensor([int(self.op), self.newest, self.first, self.crop], dtype=torch.long, device=device)
+        return torch.tensor([int(self.op), self.newest, self.first, self.crop, self.sample], dtype=torch.long,
+                            device=device)
 
     @classmethod
     def decode(cls, data: torch.Tensor) -> "Command":
-        op, newest, first, crop = data.tolist()
-        return cls(Op(op), newest, first, crop)
+        op, newest, first, crop, sample = data.tolist()
+        return cls(Op(op), newest, first, crop, sample)
 
 
 def report_indices(stage: range, anchors, num_layers: int, last: bool) -> list[int]:
@@ -200,7 +208,7 @@ class Link:
 
     def receive_command(self, idle: bool = True) -> Command:
         """Any other rank: the next command (waiting at most `idle_timeout` between sequences)."""
-        data = torch.empty(4, dtype=torch.long, device=self.device)
+        data = torch.empty(COMMAND_SIZE, dtype=torch.long, device=self.device)
         work = self._start(lambda: dist.broadcast(data, src=CONTROL_RANK, async_op=True), CONTROL_RANK,
                            "the next command from the control rank")
         self._wait(work, CONTROL_RANK, "the next command from the control rank",

@@ -7,6 +7,15 @@ on the position the command assigns it, pass the output downstream for the next 
 report the anchor hidden states it produced (plus, on the last stage, the finished token's
 output) to the control rank. So all stages compute at once, each on a different token.
 
+With the head on the last stage (`layout.head_on_last`), the last stage also applies the final
+norm and lm_head to the finished token and sends rank 0 only what verification needs: the
+argmax when greedy, the logits when the sequence samples (`Command.sample`).
+
+Prefill is pipelined: the prompt flows through the stages in chunks of `prefill_chunk`
+positions, each stage passing a chunk on as soon as it ran it, so stage k runs chunk j while
+stage k+1 runs chunk j-1 (time to first token drops by up to n, and no wait lasts longer than a
+chunk's compute). Each stage reports the prompt's anchors once, at the end.
+
 The same worker runs inside the control process for `--draft-rank with-first-stage`; then it
 returns its report instead of sending it. `serve` is the loop of a stage process.
 """
@@ -25,6 +34,16 @@ from .protocol import Command, Link, Op, report_indices
 log = logging.getLogger(__name__)
 
 
+PREFILL_CHUNK = 32   # positions per prefill message: small enough to overlap, big enough for fast matmuls
+
+
+def prefill_chunks(length: int, chunk: int, recurrent: bool) -> list[slice]:
+    """The prompt's positions cut into consecutive chunks (one chunk for recurrent models, whose
+    state caches only roll back to call boundaries: the prompt stays one call, as in the engine)."""
+    size = length if recurrent or chunk <= 0 else chunk
+    return [slice(start, min(start + size, length)) for start in range(0, length, size)]
+
+
 def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -34,13 +53,17 @@ def now(device: torch.device) -> float:
 class StageWorker:
     """Stage k of `layout` on `target` (which must hold at least that stage's layers)."""
 
-    def __init__(self, target: Target, layout: Layout, k: int, link: Link, anchors):
+    def __init__(self, target: Target, layout: Layout, k: int, link: Link, anchors,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.target, self.layout, self.k, self.link = target, layout, k, link
         self.stage = layout.stages[k]
         missing = [i for i in self.stage if i not in target.layers]
         assert not missing, f"stage {k} needs layers {list(self.stage)}, this process lacks {missing}"
         self.last = k == layout.n_stages - 1
-        self.rows = report_indices(self.stage, anchors, layout.num_layers, self.last)
+        self.head = self.last and layout.head_on_last   # norm + lm_head run here
+        assert not self.head or target.lm_head is not None, "the last stage needs the head"
+        self.rows = report_indices(self.stage, anchors, layout.num_layers, self.last and not self.head)
+        self.prefill_chunk = prefill_chunk
         self.record = set(self.rows)
         self.cache = target.new_cache(layout.stages, layers=self.stage)   # recurrent: n - k states
         self.upstream = CONTROL_RANK if k == 0 else layout.stage_rank(k - 1)
@@ -75,42 +98,75 @@ class StageWorker:
         if command.crop >= 0:
             self.cache.crop(command.crop)
         if command.op == Op.PREFILL:
-            length = command.newest + 1
-            self.cycle_seconds, self.prefill_seconds = [], 0.0
+            return self._prefill(command, given)
+        position = command.position(self.k)
+        if position is None:
+            self.cycle_seconds.append(0.0)
+            return None
+        if self.k == 0:
             hidden = given if given is not None else self.link.recv(
-                (1, length, self.target.hidden_size), self.target.dtype, self.upstream,
-                "the prompt's hidden states", patient=True)   # behind the upstream stages' prefill
-            positions = torch.arange(length, device=self.link.device)
+                (1, 1, self.target.hidden_size), self.target.dtype, self.upstream,
+                f"the embedding of position {position}")
         else:
-            position = command.position(self.k)
-            if position is None:
-                self.cycle_seconds.append(0.0)
-                return None
-            if self.k == 0:
-                hidden = given if given is not None else self.link.recv(
-                    (1, 1, self.target.hidden_size), self.target.dtype, self.upstream,
-                    f"the embedding of position {position}")
-            else:
-                assert carried is not None and carried[0] == position, (self.k, carried, command)
-                hidden = carried[1]
-            positions = torch.tensor([position], device=self.link.device)
+            assert carried is not None and carried[0] == position, (self.k, carried, command)
+            hidden = carried[1]
         # the board said "waiting for ..." during the receive: say computing again (a peer waiting
         # on this stage keeps waiting while it computes, see protocol.Link._wait_patiently)
-        self.link.on_wait("computing prefill" if command.op == Op.PREFILL else "computing")
+        self.link.on_wait("computing")
         t = now(self.link.device)
+        out, snapshots = self._run(hidden, torch.tensor([position], device=self.link.device))
+        verdict = self._verdict(out, command)
+        self.cycle_seconds.append(now(self.link.device) - t)
+        return self._report([snapshots], verdict)
+
+    def _run(self, hidden, positions):
+        """Run this stage's layers and pass the output downstream at once."""
         out, snapshots = self.target.run_layers(hidden, positions, self.stage, self.cache, self.record)
-        elapsed = now(self.link.device) - t
-        if command.op == Op.PREFILL:
-            self.prefill_seconds = elapsed
-        else:
-            self.cycle_seconds.append(elapsed)
         if self.downstream is not None:
             self.link.send(out, self.downstream, "the output of stage %d" % self.k)
-        if not self.rows:
+        return out, snapshots
+
+    def _verdict(self, out: torch.Tensor, command: Command) -> torch.Tensor | None:
+        """At the head: the finished (last) position's logits when sampling, else their argmax."""
+        if not self.head:
             return None
-        report = torch.stack([snapshots[i] for i in self.rows])
-        if not self.local:
-            self.link.send(report, CONTROL_RANK, "the report of stage %d" % self.k)
+        logits = self.target.logits(out[0, -1])
+        return logits if command.sample else logits.argmax().reshape(1)
+
+    def _prefill(self, command: Command, given: torch.Tensor | None) -> torch.Tensor | None:
+        """The prompt, chunk by chunk: receive a chunk, run it, pass it on at once (see module doc)."""
+        length, hidden_size = command.newest + 1, self.target.hidden_size
+        self.cycle_seconds, self.prefill_seconds = [], 0.0
+        if self.k == 0 and given is None:   # the whole prompt's embedding in one message
+            given = self.link.recv((1, length, hidden_size), self.target.dtype, self.upstream,
+                                   "the prompt's embeddings", patient=True)
+        chunks = prefill_chunks(length, self.prefill_chunk, self.target.recurrent)
+        snapshots = []
+        for span in chunks:
+            hidden = given[:, span] if self.k == 0 else self.link.recv(
+                (1, span.stop - span.start, hidden_size), self.target.dtype, self.upstream,
+                f"the prompt's positions {span.start}..{span.stop - 1}", patient=True)   # behind upstream
+            self.link.on_wait("computing prefill")
+            t = now(self.link.device)
+            positions = torch.arange(span.start, span.stop, device=self.link.device)
+            out, snaps = self._run(hidden, positions)
+            snapshots.append(snaps)
+            self.prefill_seconds += now(self.link.device) - t
+        t = now(self.link.device)
+        verdict = self._verdict(out, command)
+        self.prefill_seconds += now(self.link.device) - t
+        return self._report(snapshots, verdict)
+
+    def _report(self, snapshots: list[dict], verdict: torch.Tensor | None) -> torch.Tensor | None:
+        """Send rank 0 the (r, q, H) anchor rows over the positions just run (returned instead when
+        this stage runs in rank 0), then the verdict input: rank 0 receives them in this order."""
+        report = None
+        if self.rows:
+            report = torch.stack([torch.cat([snaps[i] for snaps in snapshots]) for i in self.rows])
+            if not self.local:
+                self.link.send(report, CONTROL_RANK, "the report of stage %d" % self.k)
+        if verdict is not None:
+            self.link.send(verdict, CONTROL_RANK, "the verdict input of stage %d" % self.k)
         return report
 
     def skip(self, command: Command) -> None:

@@ -35,7 +35,8 @@ def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_wo
     try:
         board.set("loading its layers")
         device = pick_rank_device(spec, rank, world_size, local_rank)
-        target = load_partial_target(spec.model, layout.stages[k], embed=False, head=False,
+        head = layout.head_on_last and k == layout.n_stages - 1   # norm + lm_head run on the last stage
+        target = load_partial_target(spec.model, layout.stages[k], embed=False, head=head,
                                      dtype=parse_dtype(spec.dtype), device=device)
         board.info = {"params": parameter_count(target), "layers": sorted(target.layers)}
         board.set(READY)
@@ -44,7 +45,7 @@ def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_wo
         stage_ranks = [layout.stage_rank(j) for j in range(layout.n_stages)]
         link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, on_wait=board.set,
                     progress=Progress(board.read, [r for r in stage_ranks if r != rank]))
-        worker = StageWorker(target, layout, k, link, spec.anchors)
+        worker = StageWorker(target, layout, k, link, spec.anchors, spec.prefill_chunk)
         log.info("stage %d (rank %d, pid %d): layers %d..%d on %s", k, rank, os.getpid(),
                  layout.stages[k].start, layout.stages[k].stop - 1, device)
         serve(worker, link, board)
