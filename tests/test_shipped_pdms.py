@@ -36,7 +36,9 @@ def test_pdms_ship_for_n2_and_n4():
     # `--model default` finds each by its split (n=2 when no split is asked)
     assert shipped_pdm("default", None, None) == str(ASSETS / "smollm2-135m-n2-15-15")
     assert shipped_pdm("default", 4, None) == str(ASSETS / "smollm2-135m-n4-8-8-7-7")
-    assert shipped_pdm("default", 4, [10, 10, 5, 5]) is None
+    # another split where every depth reaches the same anchors drafts alike: the PDM is found
+    assert shipped_pdm("default", 4, [10, 10, 5, 5]) == str(ASSETS / "smollm2-135m-n4-8-8-7-7")
+    assert shipped_pdm("default", 4, [5, 5, 10, 10]) is None
     assert shipped_pdm("some/other-model", 2, None) is None
 
 
