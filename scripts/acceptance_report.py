@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from spd.baselines.ar import ar_generate
 from spd.bench.acceptance import replay, sequence_snapshots
+from spd.bench.report import by_source
 from spd.checkpoint import WEIGHTS, load_pdm
 from spd.retrieval import GATE_FILE, Gate, make_drafter
 from spd.engine import generate
@@ -134,16 +135,13 @@ def summarize(rows: list[dict], pdm_names: list[str]) -> str:
             acc, rej = sum(r["accepted"] for r in sel), sum(r["rejected"] for r in sel)
             checked = [r for r in sel if "engine_match" in r]
             same_tokens, same_counts = (sum(r[k] for r in checked) for k in ("engine_match", "counts_match"))
-            sources = {}
-            for r in sel:
-                for source, (v, a) in (r.get("drafts_by_source") or {}).items():
-                    sources[source] = [sources.get(source, [0, 0])[0] + v, sources.get(source, [0, 0])[1] + a]
-            total = sum(v for v, _ in sources.values())
-            share = f"{sources['retrieval'][0] / total:.3f}" if total and "retrieval" in sources else "-"
-            by = " / ".join(f"{sources[k][1] / sources[k][0]:.3f}" if sources.get(k, [0])[0] else "-"
+            sources = by_source(sel)
+            share, acceptance = sources["retrieval_share"], sources["acceptance_by_source"]
+            by = " / ".join(f"{acceptance[k]:.3f}" if acceptance.get(k) is not None else "-"
                             for k in ("pdm", "retrieval", "both"))
             lines.append(f"| {pdm} | {name} | {len(sel)} | {tokens} | {cycles} | {tokens / cycles:.3f} | "
-                         f"{acc / max(1, acc + rej):.3f} | {n * tokens / cycles:.2f} | {share} | {by if total else '-'} | "
+                         f"{acc / max(1, acc + rej):.3f} | {n * tokens / cycles:.2f} | "
+                         f"{'-' if share is None else f'{share:.3f}'} | {by if acceptance else '-'} | "
                          f"{same_tokens}/{len(checked)} | {same_counts}/{len(checked)} |")
     return "\n".join(lines)
 

@@ -74,6 +74,11 @@ class Drafter(Protocol):
         """(token for position newest+1, its full-vocabulary draft distribution q or None)."""
 
 
+def draft_source(drafter) -> str:
+    """Where the drafter's latest draft came from (its `last_source`; "draft" when it keeps none)."""
+    return getattr(drafter, "last_source", "draft")
+
+
 class PDMDrafter:
     """Drafts with a PDM: each cycle re-runs the rows whose depth changed, on a committed cache."""
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .drafters import DraftState, Drafter
+from .drafters import DraftState, Drafter, draft_source
 from .sampling import SamplingParams, sample, verify
 from .target import Target
 from .tree import Candidate, Node, TreeConfig, TreePipeline
@@ -173,7 +173,7 @@ def _draft(drafter, pipe: TreePipeline, features, params, gen, stats, stepped=Fa
     t = time.perf_counter()
     if pipe.width == 1:
         draft, q = drafter.draft(pipe.draft_state(features, stepped), params, gen)
-        proposals = [[Candidate(draft, 0.0, getattr(drafter, "last_source", "draft"), q)]]
+        proposals = [[Candidate(draft, 0.0, draft_source(drafter), q)]]
     else:
         proposals = drafter.candidates(pipe.tree_state(features), params, gen, pipe.width)
     stats.pdm_seconds += time.perf_counter() - t

@@ -117,7 +117,7 @@ class Gate:
     For a match of length L (capped at `max_len`), retrieval wins when L >= `min_len` and the
     PDM's top-1 probability is below `threshold[L-1]`; a threshold above 1 means retrieval always
     wins at that length, so the PDM forward is skipped there. Fitted by `fit_gate` on training
-    conversations; DEFAULT serves checkpoints saved without one.
+    conversations; `Gate()` serves checkpoints saved without one.
     """
 
     min_len: int = 2

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters import DraftState
+from ..drafters import DraftState, draft_source
 from ..engine import SPDStats, store_snapshots
 from ..sampling import SamplingParams
 from ..target import Target
@@ -31,15 +31,20 @@ def sequence_snapshots(target: Target, sequence: list[int], anchors) -> dict:
     return snapshots
 
 
+def feature_table(target: Target, snapshots: dict, anchors, length: int) -> torch.Tensor:
+    """(length+1, m, H): the drafter's anchors of positions 0..length-1 (the engine's layout)."""
+    features = torch.zeros(length + 1, len(anchors), target.hidden_size, device=target.device,
+                           dtype=target.dtype)
+    store_snapshots(features, slice(0, length), snapshots, {a: i for i, a in enumerate(anchors)})
+    return features
+
+
 @torch.inference_mode()
 def sequence_features(target: Target, sequence: list[int], anchors) -> tuple[torch.Tensor, torch.Tensor]:
     """((S+1, m, H) anchor features table, (S, H) pre-norm last-layer states) from one forward."""
     last = target.num_layers
     snapshots = sequence_snapshots(target, sequence, set(anchors) | {last})
-    features = torch.zeros(len(sequence) + 1, len(anchors), target.hidden_size, device=target.device,
-                           dtype=target.dtype)
-    store_snapshots(features, slice(0, len(sequence)), snapshots, {a: i for i, a in enumerate(anchors)})
-    return features, snapshots[last]
+    return feature_table(target, snapshots, anchors, len(sequence)), snapshots[last]
 
 
 @torch.inference_mode()
@@ -51,12 +56,9 @@ def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[in
     anchors) lets several drafters share one forward."""
     device, prompt_len = target.device, len(prompt_ids)
     sequence = list(prompt_ids) + list(continuation)
-    column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
-    features = torch.zeros(len(sequence) + 1, len(column), target.hidden_size, device=device,
-                           dtype=target.dtype)
     if snapshots is None:
         snapshots = sequence_snapshots(target, sequence, drafter.anchors)
-    store_snapshots(features, slice(0, len(sequence)), snapshots, column)
+    features = feature_table(target, snapshots, drafter.anchors, len(sequence))
 
     stats = SPDStats(n_stages, prompt_tokens=prompt_len, new_tokens=1, stage_seconds=[0.0] * n_stages,
                      verified_by_fill=[0] * n_stages, accepted_by_fill=[0] * n_stages)
@@ -69,7 +71,7 @@ def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[in
         if wrong_inflight is None and newest + 1 < len(sequence):
             state = DraftState(sequence[: newest + 1], first_inflight, n_stages, features)
             draft, _ = drafter.draft(state, params, gen)
-            drafted[newest + 1] = (newest - first_inflight + 1, getattr(drafter, "last_source", "draft"))
+            drafted[newest + 1] = (newest - first_inflight + 1, draft_source(drafter))
             if draft != sequence[newest + 1]:
                 wrong_inflight = newest + 1
         stats.cycles += 1

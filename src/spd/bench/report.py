@@ -81,11 +81,11 @@ def summarize_group(records: list[dict], dataset: str, fraction: float, ar_recor
         "verified_by_position": by_verified,
         "acceptance_by_position": [_ratio(a, v) for a, v in zip(by_accepted, by_verified)],
         "untrained": any(r.get("untrained") for r in records),
-        **_by_source(records),
+        **by_source(records),
     }
 
 
-def _by_source(records: list[dict]) -> dict:
+def by_source(records: list[dict]) -> dict:
     """Share of verified drafts from retrieval, and acceptance of each draft source."""
     counts = defaultdict(lambda: [0, 0])
     for r in records:

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from ..drafters import Drafter
+from ..drafters import Drafter, draft_source
 from ..engine import Pipeline, SPDStats, store_snapshots
 from ..sampling import SamplingParams, sample
 from ..target import Target
@@ -282,7 +282,7 @@ class Controller:
                 draft, q = drafter.draft(pipe.draft_state(features, stepped=True), params, gen)
                 cycle.times.pdm = now(device) - t
             pipe.admit(draft, q)
-            drafted[pipe.newest] = (len(cycle.work), getattr(drafter, "last_source", "draft"))
+            drafted[pipe.newest] = (len(cycle.work), draft_source(drafter))
             stats.pdm_seconds += cycle.times.pdm
             ahead, token, accepted, crop = None, None, True, -1
             if len(cycle.work) == n:   # the oldest token finished all n stages: verify the next one

@@ -144,8 +144,9 @@ def connect_store(host: str, port: int, world_size: int, master: bool, timeout: 
 class Session:
     """Rank 0's handle on a running job: decode sequences, then `close` (or use `with`)."""
 
-    def __init__(self, spec: RunSpec, controller: Controller, store, workers: dict | None, pdm):
+    def __init__(self, spec: RunSpec, controller: Controller, store, workers: dict | None, pdm, gate: Gate):
         self.spec, self.controller, self.store, self.workers, self.pdm = spec, controller, store, workers, pdm
+        self.gate = gate   # the hybrid's gate: the PDM checkpoint's, else the default
         self.layout = spec.layout
         self.closed = False
 
@@ -155,8 +156,7 @@ class Session:
 
     def drafter(self, kind: str | None = None):
         """A fresh drafter for one sequence: `kind` (hybrid, pdm, retrieval) or the run's own."""
-        gate = Gate.load(self.spec.pdm) if self.spec.pdm is not None else Gate()
-        return make_drafter(kind or self.spec.drafter, self.pdm, gate)
+        return make_drafter(kind or self.spec.drafter, self.pdm, self.gate)
 
     def default_drafter(self):
         return self.drafter()
@@ -328,7 +328,8 @@ def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int
     link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, progress=Progress(read, remote))
     local = StageWorker(target, layout, 0, link, spec.anchors, spec.prefill_chunk) if layout.colocated else None
     controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead, board=board)
-    return Session(spec, controller, store, workers, pdm)
+    gate = Gate.load(spec.pdm) if spec.pdm is not None else Gate()
+    return Session(spec, controller, store, workers, pdm, gate)
 
 
 def _wait_ready(store, layout: Layout, workers, timeout: float) -> None:

@@ -16,7 +16,6 @@ and the PDM drafts each position from the saturated pipeline's features, as when
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,8 +25,6 @@ import typer
 from tqdm import tqdm
 
 from ..retrieval import Gate, SuffixIndex
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
