@@ -64,3 +64,26 @@ def test_predicted_tokens_per_second():
     rows = plan_table(COSTS, [0.8], "pdm", max_n=3)
     assert {r.n for r in rows} == {1, 2, 3} and all(sum(r.split) == 30 for r in rows)
     assert Costs.from_json(COSTS.to_json()) == COSTS
+
+
+def test_wallclock_gives_each_drafter_its_balanced_split(tmp_path, monkeypatch):
+    """`spd bench wallclock --split auto`: a drafter with a costly draft on rank 0 gets fewer layers
+    on stage 0 than the oracle; each runs on its own processes and still emits AR's tokens."""
+    from conftest import tiny_model
+    from spd.bench import wallclock
+    from spd.checkpoint import save_pdm
+    from spd.pdm import PDM
+    from spd.target import Target
+
+    model = tiny_model("llama", num_layers=8, seed=2)
+    model.save_pretrained(tmp_path / "model")
+    save_pdm(PDM.create(Target.from_hf(model), [4, 4], anchors=[0, 8]), tmp_path / "pdm")
+    costs = Costs(num_layers=8, layer_ms=1.0, head_ms=2.0, message_ms=0.0, draft_ms={"pdm": 4.0})
+    monkeypatch.setattr(wallclock, "measure_device_costs", lambda *a: costs)   # no timing in a test
+    results = wallclock.measure(str(tmp_path / "model"), 2, "auto", "with-first-stage", ("oracle", "pdm"),
+                                ["a", "b"], 8, (1,), 1, str(tmp_path / "pdm"))
+    assert results["oracle"]["split"] == [5, 3]       # 5 = 3 + head 2
+    assert results["pdm"]["split"] == [3, 5]          # 3 + draft 4 = 5 + head 2
+    assert results["oracle"]["identical"] and results["pdm"]["identical"]
+    assert results["settings"]["stage_layers"] == [(3, 5), (5, 3)]
+    assert "SPD oracle 5/3" in wallclock.format_report(results)

@@ -8,8 +8,10 @@ PDM for the split when there is one, else a random one (nearly every draft rejec
 model lives only in this harness process, for the baseline; the SPD control rank's own Target
 holds only embedding, norm and lm_head (+ stage 0 when co-located).
 `--split auto` (the default) first times the parts on this device (`planner.measure_costs`:
-one layer alone and with the other cores busy, the head, each drafter, one message) and picks
-the split with the shortest predicted cycle, keeping the shipped PDM's anchors at every depth.
+one layer alone and with the other cores busy, the head, each drafter, one message) and picks,
+per drafter, the split with the shortest predicted cycle for that drafter's draft cost, keeping
+the PDM's anchors at every depth; drafters with the same split share one set of processes.
+`--questions FILE` takes the prompts from EAGLE-format question files instead of the built-ins.
 Every drafter's result carries `predicted_tokens_per_second` from that cost model, the run's
 acceptance by fill and the drafter's mean draft time, next to the measured one.
 Two ratios everywhere: against AR on the same total cores (every thread) and against AR on one
@@ -22,7 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Optional
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
@@ -47,14 +50,14 @@ def weighted_breakdown(runs: list[dict]) -> dict:
 
 
 def choose_split(costs, stages: int, draft_rank: str, head: str, drafters, pdm: str | None) -> list[int]:
-    """`--split auto`: the balanced split for the mean draft cost of the run's drafters, where a
-    trained PDM sees the anchors it was trained with at every depth."""
+    """`--split auto`: the balanced split for the mean draft cost of the given drafters, where the
+    PDM (which the processes load whatever the drafter) sees the anchors it was trained with."""
     from ..checkpoint import read_config
     from ..pdm import types_by_depth
     from .planner import balanced_split
 
     allowed = None
-    if pdm is not None and any(d != "oracle" for d in drafters):
+    if pdm is not None:
         config = read_config(pdm)
         want = types_by_depth(list(config.stage_layers), config.anchors)
         allowed = lambda d, b: sum(a <= b for a in config.anchors) == want[d]  # noqa: E731
@@ -83,7 +86,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
             draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm", "hybrid"),
             prompts: list[str] | None = None, max_new_tokens: int = 64, ar_threads: tuple[int, ...] = (),
             threads: int | None = None, pdm: str | None = None, dtype: str = "float32",
-            lookahead: str = "auto", head: str = "last") -> dict:
+            lookahead: str = "auto", head: str = "last", source: str = "built-in") -> dict:
     """Run the benchmark; returns {ar: {...}, <drafter>: {...}, costs: {...}, settings: {...}}."""
     import torch
 
@@ -102,11 +105,16 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
                 lookahead=lookahead, head=head)
     target, tokenizer = load_target(spec.model, dtype=parse_dtype(dtype))
     costs = measure_device_costs(model, stages, dtype, drafters, spec.pdm, target)
-    if auto:
-        chosen = choose_split(costs, stages, draft_rank, head, drafters, spec.pdm)
-        spec = plan(model, stages, chosen, draft_rank, spec.pdm, dtype=dtype, threads=threads, timeout=60.0,
-                    lookahead=lookahead, head=head)
-        log.warning("--split auto: %s for %s, head on %s", chosen, draft_rank, head)
+    # --split auto: each drafter gets the split balanced for its own draft cost (the oracle's rank 0
+    # has no PDM to run); drafters that share a split share one set of processes
+    split_of = {name: tuple(choose_split(costs, stages, draft_rank, head, [name], spec.pdm) if auto
+                            else spec.stage_layers) for name in drafters}
+    specs = {}
+    for chosen in dict.fromkeys(split_of.values()):
+        specs[chosen] = spec if not auto else plan(model, stages, list(chosen), draft_rank, spec.pdm, dtype=dtype,
+                                                   threads=threads, timeout=60.0, lookahead=lookahead, head=head)
+        log.warning("--split auto: %s for %s (%s), head on %s", list(chosen), draft_rank,
+                    ", ".join(d for d in drafters if split_of[d] == chosen), head)
     cores = os.cpu_count() or 1
     ar_threads = tuple(ar_threads) or tuple(sorted({cores, 1}, reverse=True))
     spd_threads = spec.threads or max(1, cores // spec.layout.world_size)
@@ -114,7 +122,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
     ids = [encode_prompt(tokenizer, text) if tokenizer is not None else [1, 2, 3] for text in texts]
     results = {"ar": {t: {"threads": t, "tokens": 0, "seconds": 0.0} for t in ar_threads}}
     results.update({name: {"tokens": 0, "seconds": 0.0, "cycles": 0, "accepted": 0, "rejected": 0,
-                           "identical": True, "breakdowns": []} for name in drafters})
+                           "identical": True, "breakdowns": [], "split": list(split_of[name])} for name in drafters})
 
     def ar(prompt, new, threads):
         torch.set_num_threads(threads)
@@ -123,30 +131,33 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
     for t in ar_threads:
         ar(ids[0], 8, t)   # warm-up
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    with start(spec) as session:
-        torch.set_num_threads(spd_threads)
-        session.generate(ids[0], OracleDrafter([]), max_new_tokens=8, eos_token_ids=())   # warm-up
-        for prompt in ids:
-            for t in ar_threads:
-                reference, ar_stats = ar(prompt, max_new_tokens, t)
-                results["ar"][t]["tokens"] += ar_stats.new_tokens - 1
-                results["ar"][t]["seconds"] += ar_stats.decode_seconds
+    # one set of processes at a time (one process group per process); AR runs beside every set,
+    # prompt by prompt, so a change in load hits both alike
+    for chosen, session_spec in specs.items():
+        with start(session_spec) as session:
             torch.set_num_threads(spd_threads)
-            for name in drafters:
-                drafter = OracleDrafter(reference) if name == "oracle" else session.drafter(name)
-                out = session.generate(prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=())
-                r, s = results[name], out.stats
-                r["tokens"] += s.new_tokens - 1
-                r["seconds"] += s.decode_seconds
-                r["cycles"] += s.cycles
-                r["accepted"] += s.accepted
-                r["rejected"] += s.rejected
-                r["identical"] &= out.tokens == reference
-                r["breakdowns"].append(s.breakdown)
-                r["verified_by_fill"] = [a + b for a, b in zip(r.get("verified_by_fill", [0] * stages), s.verified_by_fill)]
-                r["accepted_by_fill"] = [a + b for a, b in zip(r.get("accepted_by_fill", [0] * stages), s.accepted_by_fill)]
-                r["draft_seconds"] = r.get("draft_seconds", 0.0) + s.pdm_seconds
-                log.info("%s: %d tokens in %.2f s", name, s.new_tokens, s.decode_seconds)
+            session.generate(ids[0], OracleDrafter([]), max_new_tokens=8, eos_token_ids=())   # warm-up
+            for prompt in ids:
+                for t in ar_threads:
+                    reference, ar_stats = ar(prompt, max_new_tokens, t)
+                    results["ar"][t]["tokens"] += ar_stats.new_tokens - 1
+                    results["ar"][t]["seconds"] += ar_stats.decode_seconds
+                torch.set_num_threads(spd_threads)
+                for name in (d for d in drafters if split_of[d] == chosen):
+                    drafter = OracleDrafter(reference) if name == "oracle" else session.drafter(name)
+                    out = session.generate(prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=())
+                    r, s = results[name], out.stats
+                    r["tokens"] += s.new_tokens - 1
+                    r["seconds"] += s.decode_seconds
+                    r["cycles"] += s.cycles
+                    r["accepted"] += s.accepted
+                    r["rejected"] += s.rejected
+                    r["identical"] &= out.tokens == reference
+                    r["breakdowns"].append(s.breakdown)
+                    for key in ("verified_by_fill", "accepted_by_fill"):
+                        r[key] = [a + b for a, b in zip(r.get(key, [0] * stages), getattr(s, key))]
+                    r["draft_seconds"] = r.get("draft_seconds", 0.0) + s.pdm_seconds
+                    log.info("%s: %d tokens in %.2f s", name, s.new_tokens, s.decode_seconds)
     for r in results["ar"].values():
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
     best = max(results["ar"].values(), key=lambda r: r["tokens_per_second"])
@@ -163,7 +174,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
         # the cost model: device costs measured before the run, this run's acceptance by fill, and
         # the drafter's mean draft time in the run (a hybrid's depends on how often it skips the PDM)
         draft_ms = 1000.0 * r.pop("draft_seconds") / max(1, r["cycles"]) / costs.contention
-        guess = predict(costs, spec.stage_layers, draft_rank, spec.head, acceptance_profile(r), name, draft_ms,
+        guess = predict(costs, r["split"], draft_rank, spec.head, acceptance_profile(r), name, draft_ms,
                         new_tokens=max_new_tokens, lookahead=None if lookahead == "auto" else lookahead == "on")
         r["predicted_tokens_per_second"] = guess.tokens_per_second
         r["predicted_cycle_ms"] = guess.cycle_ms
@@ -171,11 +182,11 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
         r["tokens_per_cycle"] = (r["tokens"] + len(ids)) / r["cycles"] if r["cycles"] else 0.0
         r["per_draft_acceptance"] = r["accepted"] / max(1, r["accepted"] + r["rejected"])
         r["breakdown"] = weighted_breakdown(r.pop("breakdowns"))
-    results["settings"] = {"model": model, "stage_layers": list(spec.stage_layers), "draft_rank": draft_rank,
+    results["settings"] = {"model": model, "stage_layers": sorted({tuple(r) for r in split_of.values()}), "draft_rank": draft_rank,
                            "processes": spec.layout.world_size, "cores": cores, "ar_threads": list(ar_threads),
                            "load_average_before": load_before,
                            "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-                           "spd_threads_per_process": spd_threads, "prompts": len(ids),
+                           "spd_threads_per_process": spd_threads, "prompts": len(ids), "prompt_source": source,
                            "max_new_tokens": max_new_tokens, "dtype": dtype, "lookahead": lookahead,
                            "pdm": spec.pdm or "random (no shipped PDM for this split)",
                            "split": "auto" if auto else "given", "head": spec.head}
@@ -186,12 +197,13 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
 def format_report(results: dict) -> str:
     s = results["settings"]
     load = s["load_average_before"], s["load_average_after"]
-    lines = [f"wall-clock: {s['model']}, n={len(s['stage_layers'])} split={s['stage_layers']}, draft rank "
+    lines = [f"wall-clock: {s['model']}, n={len(s['stage_layers'][0])}, draft rank "
              f"{s['draft_rank']} ({s['processes']} processes x {s['spd_threads_per_process']} threads; "
              f"{s['cores']} cores), {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['dtype']}"
              + f", lookahead {s['lookahead']}"
              + (f"; load average {load[0]:.1f} -> {load[1]:.1f}" if load[0] is not None else "")]
     c = results["costs"]
+    lines.append(f"  prompts: {s['prompt_source']}")
     lines.append(f"  split {s['split']}, head on {'the last stage' if s['head'] == 'last' else 'rank 0'}; device costs: "
                  f"layer {c['layer_ms']:.2f} ms (x{c['contention']:.2f} with every core busy), head "
                  f"{c['head_ms']:.2f} ms, message {c['message_ms']:.2f} ms, draft "
@@ -201,7 +213,7 @@ def format_report(results: dict) -> str:
     for name, r in results.items():
         if name in ("ar", "settings", "costs"):
             continue
-        label = f"SPD {name}"
+        label = f"SPD {name} {'/'.join(map(str, r['split']))}"
         lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s (predicted {r['predicted_tokens_per_second']:.2f},"
                      f" {r['prediction_error']:+.0%})  x{r['ratio_vs_ar_all_cores']:.2f} AR all cores, "
                      f"x{r['ratio_vs_ar_one_thread']:.2f} AR 1 thread"
@@ -226,7 +238,10 @@ def bench_wallclock(
                                  "random), hybrid (retrieval beside the PDM), retrieval (no PDM)."),
     pdm: Optional[str] = typer.Option(None, help="PDM checkpoint (default: the shipped one for the split)."),
     max_new_tokens: int = typer.Option(64, min=2, help="New tokens per prompt (EOS ignored)."),
-    prompts: int = typer.Option(len(PROMPTS), min=1, max=len(PROMPTS), help="How many of the built-in prompts."),
+    prompts: int = typer.Option(len(PROMPTS), min=1, help="How many prompts: of the built-in ones (at most "
+                                f"{len(PROMPTS)}), or the first N of each --questions file."),
+    questions: List[str] = typer.Option([], help="EAGLE-format question file (the first turn of each line is a "
+                                                 "prompt) instead of the built-in prompts; repeat for several."),
     ar_threads: Optional[str] = typer.Option(None, help="torch threads for AR, one run each, e.g. 2,1 (default: every core, and 1); ratios are against the fastest."),
     threads: Optional[int] = typer.Option(None, help="torch threads per SPD process (default: cores / processes)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
@@ -236,14 +251,26 @@ def bench_wallclock(
     """AR vs distributed SPD decode tokens/s on the same prompts and cores; ratio, acceptance, cycle breakdown."""
     from ..loading import parse_int_list
     from ..runtime import LayoutError, StageFailure
+    from .harness import read_questions
 
     names = tuple(d.strip() for d in drafters.split(",") if d.strip())
     if not names or any(d not in ("oracle", "pdm", "hybrid", "retrieval") for d in names):
         raise typer.BadParameter(f"--drafters takes oracle, pdm, hybrid and/or retrieval, got {drafters!r}")
     try:
+        if questions:
+            texts = [q.text for path in questions for q in read_questions(path, Path(path).parent.name, prompts)]
+            if None in texts:
+                raise ValueError("--questions: every line needs a text prompt in `turns` (prompt_ids are not read here)")
+            source = ", ".join(f"first {prompts} of {path}" for path in questions)
+        elif prompts > len(PROMPTS):
+            raise ValueError(f"--prompts {prompts}: there are {len(PROMPTS)} built-in prompts; give --questions "
+                             "FILE for more")
+        else:
+            texts, source = PROMPTS[:prompts], f"{prompts} built-in"
         results = measure(model, stages, "auto" if split == "auto" else parse_int_list(split, "--split"), draft_rank,
-                          names, PROMPTS[:prompts], max_new_tokens,
-                          tuple(parse_int_list(ar_threads, "--ar-threads") or ()), threads, pdm, dtype, lookahead, head)
+                          names, texts, max_new_tokens,
+                          tuple(parse_int_list(ar_threads, "--ar-threads") or ()), threads, pdm, dtype, lookahead, head,
+                          source)
     except (LayoutError, ValueError, FileNotFoundError) as err:
         typer.secho(f"error: {err}", fg="red", err=True)
         raise typer.Exit(2)
