@@ -31,20 +31,20 @@ def right_drafts(records, length, threshold):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_thresholds_are_the_best_per_length_and_accuracy_counts_every_match(seed):
+def test_thresholds_and_accuracy_are_fitted_on_the_disagreements_per_length(seed):
     records = random_records(seed)
     gate = fit_gate(records, max_len=4, min_count=20)
     for length in (1, 2, 3, 4):   # matches of 5 count as 4 (max_len)
         candidates = [0.0, 1.01] + sorted({r.pdm_top1 + 1e-6 for r in records})   # every distinct cut
         assert right_drafts(records, length, gate.threshold[length - 1]) == max(
             right_drafts(records, length, t) for t in candidates)
-        matches = [r for r in records if min(r.match_len, 4) == length]
+        matches = [r for r in records if min(r.match_len, 4) == length and not r.agree]
         assert gate.accuracy[length - 1] == pytest.approx(sum(r.retrieval_right for r in matches) / len(matches), abs=1e-4)
     assert gate.prior(9) == gate.accuracy[3] and gate.prior(1) == gate.accuracy[0]
 
 
 def test_sparse_lengths_fall_back_and_an_unfitted_gate_uses_the_documented_prior():
-    records = [GateRecord(1, 0.5, True, False, False)] * 30 + [GateRecord(2, 0.5, True, False, True)] * 5
+    records = [GateRecord(1, 0.5, True, False, False)] * 30 + [GateRecord(2, 0.5, False, False, True)] * 40
     gate = fit_gate(records, max_len=3, min_count=20)
     assert gate.accuracy == [1.0, 1.0, 1.0] and gate.threshold == [1.01, 1.01, 1.01]
     empty = fit_gate([], max_len=2, min_count=20)

@@ -119,8 +119,8 @@ class Gate:
     PDM's top-1 probability is below `threshold[L-1]`; a threshold above 1 means retrieval always
     wins at that length, so the PDM forward is skipped there. Fitted by `fit_gate` on training
     conversations; `Gate()` serves checkpoints saved without one. `accuracy[L-1]` is how often a
-    match of length L was right there (all matches, not only disagreements): in a token tree the
-    retrieved candidate scores at least that (`prior`).
+    retrieved token of match length L was right there where the PDM's top-1 was another token:
+    in a token tree the retrieved candidate scores at least that (`prior`).
     """
 
     min_len: int = 2

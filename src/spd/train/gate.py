@@ -33,7 +33,7 @@ class GateRecord:
     pdm_top1: float       # the PDM's top-1 probability
     retrieval_right: bool
     pdm_right: bool
-    agree: bool = False   # retrieval == the PDM's top-1 (no choice to make; counts for the accuracy)
+    agree: bool = False   # retrieval == the PDM's top-1 (no choice to make: the fit skips these)
 
 
 @torch.inference_mode()
@@ -66,20 +66,21 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
 
 
 def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, fitted_on: str = "") -> Gate:
-    """Per match length, the threshold on the PDM's top-1 probability that maximises right drafts
-    where retrieval and the PDM disagree, and how often a match of that length is right at all.
+    """Per match length, where retrieval and the PDM's top-1 disagree: the threshold on the PDM's
+    top-1 probability that maximises right drafts, and how often the retrieved token was right
+    (the score a token tree gives a retrieved candidate beside the PDM's own).
 
     Lengths with fewer than `min_count` records take the threshold (accuracy) of the next shorter
     length (longer matches are at least as trustworthy); retrieval needs a match of at least the
     shortest length whose threshold is above 0."""
     thresholds, accuracy = [], []
     for length in range(1, max_len + 1):
-        matches = [r for r in records if min(r.match_len, max_len) == length]
-        if len(matches) < min_count:
+        sel = sorted((r for r in records if min(r.match_len, max_len) == length and not r.agree),
+                     key=lambda r: r.pdm_top1)
+        if len(sel) < min_count:
             accuracy.append(accuracy[-1] if accuracy else retrieval_prior(length))
         else:
-            accuracy.append(round(sum(r.retrieval_right for r in matches) / len(matches), 4))
-        sel = sorted((r for r in matches if not r.agree), key=lambda r: r.pdm_top1)
+            accuracy.append(round(sum(r.retrieval_right for r in sel) / len(sel), 4))
         if len(sel) < min_count:
             thresholds.append(thresholds[-1] if thresholds else 0.0)
             continue
