@@ -47,6 +47,7 @@ def prefilled(target, head, prompt):
     return prompt + [0], KVCache([0]), features
 
 
+@torch.no_grad()
 def chain_scores(head, tokens, features, path):
     """Path log-score of each node of `path` from a no-cache recompute of the head's chain."""
     c = len(tokens) - 1

@@ -16,7 +16,9 @@ Drafting k tokens is autoregressive: after the first draft, the target's feature
 longest accepted prefix is kept, plus the target's own token after it (recovered or bonus);
 `KVCache.crop` drops the rest. Greedy or speculative sampling, lossless either way.
 
-This module knows the head and the chain loop; training lives in `train_heads`.
+This module knows the head, the decode loop (`decode_rounds`: prefill, rounds, budget, EOS; tree
+drafting in `eagle_tree` runs the same loop with its own round) and the chain round; training
+lives in `train_heads`.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def draft_tree(head: EagleHead, cache: KVCache, tokens: list[int], features: tor
             break
         calls += 1
         ran += frontier
-        rows = torch.tensor([[n.position - 1 for n in frontier]], device=device)[0]
+        rows = torch.tensor([n.position - 1 for n in frontier], device=device)   # each row: its parent's position
         mask = tree_mask(c, ran, len(frontier), 1, device).additive(rows, features.dtype)
         feature = torch.stack([output[n.parent.uid] for n in frontier])[None]
         out = head(torch.tensor([[n.token for n in frontier]], device=device), feature, rows, mask, cache)
@@ -141,17 +141,19 @@ def accept_path(root: Node, nodes: list[Node], logits: torch.Tensor, params: Sam
     children: dict[int, list[int]] = {}
     for i, n in enumerate(nodes):
         children.setdefault(n.parent.uid, []).append(i)
-    path, node = [], root
+    path, node, counts = [], root, stats.drafts_by_source.setdefault("head", [0, 0])
     while node.uid in children:
         kids = children[node.uid]
         level = len(path)
-        stats.verified += 1
+        stats.verified += 1                      # one per level checked, however many children
         stats.verified_by_position[level] += 1
+        counts[0] += 1
         index, token = verify_multi([(nodes[i].token, None) for i in kids], logits[row[node.uid]], params, gen)
         if index is None:
             return path, token                       # recovered token
         stats.accepted += 1
         stats.accepted_by_position[level] += 1
+        counts[1] += 1
         path.append(kids[index])
         node = nodes[kids[index]]
     return path, sample(logits[row[node.uid]], params, gen)   # bonus token after a leaf
