@@ -15,7 +15,9 @@ the root exits, its logits verify level 1: the accepted child becomes the root, 
 under it is pruned, and `settle` says which tail entries each stage keeps (the engine compacts
 the caches); on rejection the target's token restarts the pipeline (caches cropped there).
 
-This module knows nothing about models: the engine (spd.engine.stream) drives it.
+This module knows nothing about models or processes: the engine (spd.engine.stream) and the
+distributed controller (spd.runtime.controller) drive `TreePipeline`; a stage process of the
+distributed runtime mirrors its own `StageTail` from each cycle's `TreeShape`.
 """
 
 from __future__ import annotations
@@ -308,7 +310,7 @@ class TreePipeline:
         child.parent = None   # the root's link is cut: lineages stay short
         self.levels, self.depths = levels, self.depths[1:1 + len(levels)]
         for k, tail in enumerate(self.tails):
-            assert tail.nodes[0] is root
+            assert not tail.nodes or tail.nodes[0] is root
             _, self.pruned[k] = tail.settle(child.uid)
             assert all(node.uid in alive for node in tail.nodes)
         return child, token, child
