@@ -7,12 +7,16 @@ engine's; seeded sampling equals the engine's; EOS, short budgets and an abandon
 no message unmatched; W > 1 is refused, before any process starts, where it cannot run.
 """
 
+import json
+
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from conftest import tiny_config, tiny_model
 from spd.baselines.ar import ar_generate
 from spd.checkpoint import load_pdm, save_pdm
+from spd.cli import app
 from spd.drafters import Candidate, CandidateOracle, PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
@@ -169,3 +173,20 @@ def test_tree_width_refused_before_any_process_starts(checkpoint, tmp_path):
                                           "use --tree-width 1"):
         plan(str(recurrent), stages=2, tree_width=2)
     assert plan(str(recurrent), stages=2, drafter="retrieval").tree_width == 1
+
+
+def test_cli_generate_distributed_tree_width(checkpoint):
+    """`spd generate --distributed --tree-width W` decodes AR's tokens; a clash is one error line."""
+    _, folder = checkpoint
+    runner = CliRunner()
+    base = ["generate", "--model", str(folder / "model"), "--prompt-ids", "3,17,5,9", "--stages", "2",
+            "--max-new-tokens", "8", "--distributed", "--threads", "1", "--drafter", "pdm"]   # a random PDM
+    result = runner.invoke(app, [*base, "--tree-width", "3", "--compare-ar", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["match"] is True and len(data["token_ids"]) == 8
+    assert data["stats"]["tree_width"] == 3 and data["stats"]["mean_width"] > 1
+    result = runner.invoke(app, [*base, "--tree-width", "2", "--lookahead", "auto"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "--lookahead auto needs --tree-width 1" in errors[0]
