@@ -11,7 +11,7 @@ import torch.distributed as dist
 from conftest import tiny_model
 from spd.cache import KVCache
 from spd.checkpoint import save_pdm
-from spd.engine import Pipeline
+from spd.drafters import Candidate
 from spd.pdm import PDM
 from spd.runtime import Layout, LayoutError, plan, start
 from spd.runtime.controller import CycleTimes, LookaheadPolicy, breakdown
@@ -22,6 +22,7 @@ from spd.runtime.stage import prefill_chunks
 from spd.runtime.weights import load_partial_target, parameter_count
 from spd.sampling import SamplingParams
 from spd.target import Target
+from spd.tree import TreeConfig, TreePipeline
 
 
 @pytest.fixture(scope="module")
@@ -123,19 +124,30 @@ def test_command_roundtrip_and_who_runs_what():
     assert report_indices(range(0, 10), [0, 10], 30, last=False) == [10]
 
 
-def test_pipeline_schedule_pieces():
-    pipe = Pipeline([7, 8, 9], first_inflight=2, n_stages=2)
-    assert pipe.work() == [(2, 0)]
-    pipe.admit(4, None)
-    assert pipe.work() == [(3, 0), (2, 1)]
-    pipe.admit(5, None)
+def test_chain_schedule_pieces():
+    """The controller's schedule is spd.tree's TreePipeline; width 1 is the chain of SPEC section 2."""
+    pipe = TreePipeline([7, 8, 9], 2, TreeConfig(1), node_rows=0)
+    positions = lambda: [([node.position for node in level], k) for level, k in pipe.work()]  # noqa: E731
+
+    def step(draft: int) -> None:   # the cycle's stage step, then its draft joins at depth 0
+        for level, k in pipe.work():
+            pipe.ran(k, level)
+        pipe.grow([[Candidate(draft)]], fill=len(pipe.work()))
+
+    assert positions() == [([2], 0)] and not pipe.exits
+    step(4)
+    assert positions() == [([3], 0), ([2], 1)] and not pipe.exits
+    step(5)
+    assert pipe.exits   # the root (position 2) passed both stages: it verifies position 3
     logits = torch.zeros(10)
     logits[4] = 1.0  # the target agrees with the draft at position 3
-    assert pipe.settle(logits, SamplingParams(), torch.Generator()) == (True, 4, 3)
-    assert pipe.tokens == [7, 8, 9, 4, 5] and pipe.work() == [(4, 0), (3, 1)]
-    pipe.admit(6, None)
-    assert pipe.settle(logits, SamplingParams(), torch.Generator()) == (False, 4, 4)  # 5 was wrong
-    assert pipe.tokens == [7, 8, 9, 4, 4] and pipe.work() == [(4, 0)] and pipe.draft_q == {}
+    kept, token, _ = pipe.settle(logits, SamplingParams(), torch.Generator())
+    assert (kept.position, token) == (3, 4) and pipe.pruned == [None, None]
+    assert pipe.path_tokens() == [7, 8, 9, 4, 5] and positions() == [([4], 0), ([3], 1)]
+    step(6)
+    kept, token, _ = pipe.settle(logits, SamplingParams(), torch.Generator())   # 5 was wrong
+    assert (kept, token) == (None, 4)
+    assert pipe.path_tokens() == [7, 8, 9, 4, 4] and positions() == [([4], 0)]
 
 
 def test_breakdown_separates_exposed_communication():

@@ -65,7 +65,7 @@ def generate(
                                           "hybrid when a PDM is given or ships, else retrieval."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
     tree_width: int = typer.Option(1, min=1, help="Candidate drafts kept per pipeline level (1 = one chain; "
-                                   "W > 1: a token tree, single process, attention-only targets)."),
+                                   "W > 1: a token tree, attention-only targets; --distributed: lookahead off)."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus filter (1 = off)."),
@@ -86,12 +86,10 @@ def generate(
 ):
     """Generate with SPD (in one process, or --distributed); print the text and the decode statistics."""
     _setup(threads, verbose, set_threads=not distributed)
-    if distributed and tree_width > 1:
-        fail("--tree-width > 1 runs in one process only for now; drop --distributed or use width 1")
     if distributed:
         return _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k,
                                      top_p, seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank,
-                                     devices, timeout, lookahead, drafter)
+                                     devices, timeout, lookahead, drafter, tree_width)
     from . import engine
     from .baselines.ar import ar_generate
     from .loading import (build_decoder, check_device, check_prompt, context_length, encode_prompt, parse_dtype,
@@ -135,7 +133,7 @@ def generate(
 
 def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k, top_p,
                           seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank, devices, timeout,
-                          lookahead, drafter):
+                          lookahead, drafter, tree_width):
     from .loading import parse_int_list
     from .runtime import LayoutError, StageFailure
     from .runtime.commands import distributed_generate
@@ -148,7 +146,7 @@ def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new
             model, prompt, _prompt_ids(prompt, prompt_ids, stages), stages, parse_int_list(split, "--split"), pdm,
             SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), max_new_tokens,
             raw, ignore_eos, compare_ar, draft_rank, text, dtype=dtype, devices=parse_devices(devices),
-            timeout=timeout, threads=threads, lookahead=lookahead, drafter=drafter)
+            timeout=timeout, threads=threads, lookahead=lookahead, drafter=drafter, tree_width=tree_width)
     except (LayoutError, ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
     except StageFailure as err:

@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .drafters import DraftState, Drafter, draft_source
-from .sampling import SamplingParams, sample, verify
+from .drafters import Drafter, draft_source
+from .sampling import SamplingParams, sample
 from .target import Target
 from .tree import Candidate, Node, TreeConfig, TreePipeline
 
@@ -116,58 +116,7 @@ def store_snapshots(features: torch.Tensor, positions, snapshots: dict, column: 
             features[positions, column[anchor]] = hidden
 
 
-@dataclass
-class Pipeline:
-    """One sequence's schedule state (SPEC section 2): every token so far and which are in flight.
-
-    In-flight tokens sit at positions first_inflight..newest; the one at position p has depth
-    newest - p and runs stage newest - p in this cycle's stage step. Pure bookkeeping for the
-    distributed controller (spd.runtime), which runs the chain (W = 1); `stream` below runs the
-    token tree of spd.tree, whose W = 1 case is this same schedule (tests/test_runtime_equivalence
-    checks the two give the same tokens and counts).
-    """
-
-    tokens: list[int]              # prompt, verified tokens, in-flight drafts (the caller's list)
-    first_inflight: int
-    n_stages: int
-    draft_q: dict = field(default_factory=dict)   # in-flight position -> its draft's q (or None)
-
-    @property
-    def newest(self) -> int:
-        return len(self.tokens) - 1
-
-    def work(self) -> list[tuple[int, int]]:
-        """This cycle's stage step as (position, stage k) pairs, newest (stage 0) first.
-        n pairs mean the oldest token finishes all n stages this cycle."""
-        return [(p, self.newest - p) for p in range(self.newest, self.first_inflight - 1, -1)]
-
-    def draft_state(self, features: torch.Tensor, stepped: bool = False) -> DraftState:
-        return DraftState(self.tokens, self.first_inflight, self.n_stages, features, stepped)
-
-    def admit(self, draft: int, q: torch.Tensor | None) -> None:
-        """The cycle's draft joins at depth 0: the token for position newest+1."""
-        self.tokens.append(draft)
-        self.draft_q[self.newest] = q
-
-    def settle(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-               ) -> tuple[bool, int, int]:
-        """The oldest token finished: verify the draft after it with the target's (V,) logits.
-
-        Returns (accepted, emitted token, its position). On rejection the target's token
-        replaces the draft, every later token is dropped, and the pipeline restarts holding only
-        it; the caller crops every KV cache to that position.
-        """
-        checked = self.first_inflight + 1
-        accepted, token = verify(self.tokens[checked], self.draft_q.pop(checked), logits, params, gen)
-        self.first_inflight = checked
-        if not accepted:
-            del self.tokens[checked:]
-            self.tokens.append(token)
-            self.draft_q.clear()
-        return accepted, token, checked
-
-
-def _draft(drafter, pipe: TreePipeline, features, params, gen, stats, stepped=False) -> list[list[Candidate]]:
+def propose(drafter, pipe: TreePipeline, features, params, gen, stats, stepped=False) -> list[list[Candidate]]:
     """Candidates for the children of every newest-level node. W = 1 asks the drafter's one
     `draft` (the chain); W > 1 its `candidates` for all leaves at once."""
     t = time.perf_counter()
@@ -178,6 +127,36 @@ def _draft(drafter, pipe: TreePipeline, features, params, gen, stats, stepped=Fa
         proposals = drafter.candidates(pipe.tree_state(features), params, gen, pipe.width)
     stats.pdm_seconds += time.perf_counter() - t
     return proposals
+
+
+def settle(pipe: TreePipeline, features: torch.Tensor, logits: torch.Tensor, params: SamplingParams,
+           gen: torch.Generator, stats: SPDStats) -> tuple[Node | None, int]:
+    """The root exited with (V,) `logits`: verify level 1, prune, count. Returns (the accepted
+    child or None, the emitted token); the caller then crops (None: every cache to the root's
+    position + 1) or compacts (`pipe.pruned`) the caches, here or in the stage processes."""
+    root = pipe.root
+    if root.row != root.position:   # finished: its features move to its position's row
+        features[root.position] = features[root.row]
+    stats.verified_candidates += len(pipe.levels[1])
+    kept, token, counted = pipe.settle(logits, params, gen)
+    stats.count(counted.fill, counted.source, kept is not None)
+    stats.new_tokens += 1
+    return kept, token
+
+
+def embed_level(target: Target, level: list[Node], features: torch.Tensor, column: dict) -> torch.Tensor:
+    """The newest level enters stage 1: embed its tokens (their depth-0 features); (1, w, H)."""
+    hidden = target.embed(torch.tensor([node.token for node in level], device=target.device))
+    store_snapshots(features, [node.row for node in level], {0: hidden[0]}, column)
+    for i, node in enumerate(level):
+        node.hidden = hidden[:, i:i + 1] if len(level) > 1 else hidden
+    return hidden
+
+
+def start_stats(stats: SPDStats, n: int, prompt_len: int, tree: TreeConfig) -> None:
+    stats.n_stages, stats.prompt_tokens, stats.stage_seconds = n, prompt_len, [0.0] * n
+    stats.verified_by_fill, stats.accepted_by_fill = [0] * n, [0] * n
+    stats.tree_width = tree.width
 
 
 def check_tree(target: Target, drafter, config: TreeConfig) -> None:
@@ -202,9 +181,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     assert n >= 1 and stages[-1].stop == target.num_layers and len(prompt_ids) >= 1
     check_tree(target, drafter, tree)
     stats = stats if stats is not None else SPDStats(n)
-    stats.n_stages, stats.prompt_tokens, stats.stage_seconds = n, len(prompt_ids), [0.0] * n
-    stats.verified_by_fill, stats.accepted_by_fill = [0] * n, [0] * n
-    stats.tree_width = tree.width
+    start_stats(stats, n, len(prompt_ids), tree)
     if max_new_tokens < 1:
         return
     eos = set(eos_token_ids)
@@ -229,22 +206,15 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     if tokens[-1] in eos or max_new_tokens == 1:
         return
 
-    def enter(level: list[Node]) -> None:
-        """The newest level enters stage 1: embed its tokens (their depth-0 features)."""
-        hidden = target.embed(torch.tensor([node.token for node in level], device=device))
-        store_snapshots(features, [node.row for node in level], {0: hidden[0]}, column)
-        for i, node in enumerate(level):
-            node.hidden = hidden[:, i:i + 1] if len(level) > 1 else hidden
-
     drafter.begin(len(prompt_ids))
     pipe = TreePipeline(tokens, n, tree, node_rows=capacity)   # the first token is the root
-    enter(pipe.newest)
+    embed_level(target, pipe.newest, features, column)
     t_decode = _now(device)
     while True:
         work = pipe.work()
         # 1. Draft the children of the newest level from features that exist before this cycle's stage work.
         if not drafter.after_stages:
-            proposals = _draft(drafter, pipe, features, params, gen, stats)
+            proposals = propose(drafter, pipe, features, params, gen, stats)
 
         # 2. Stage step: the level at depth k runs stage k (all its nodes in one forward) and
         # records the anchors it passes.
@@ -260,7 +230,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
             stats.stage_tokens += len(level)
         stats.cycles += 1
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
-            proposals = _draft(drafter, pipe, features, params, gen, stats, stepped=True)
+            proposals = propose(drafter, pipe, features, params, gen, stats, stepped=True)
 
         # The drafts join the pipeline at depth 0 (dropped again below if a rejection cuts them).
         pipe.grow(proposals, fill=len(work))
@@ -270,25 +240,19 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
         if pipe.exits:
             t = _now(device)
             root = pipe.root
-            if root.row != root.position:   # finished: its features move to its position's row
-                features[root.position] = features[root.row]
-            stats.verified_candidates += len(pipe.levels[1])
-            logits = target.logits(root.hidden[0, -1])
-            kept, token, counted = pipe.settle(logits, params, gen)
-            stats.count(counted.fill, counted.source, kept is not None)
+            kept, token = settle(pipe, features, target.logits(root.hidden[0, -1]), params, gen, stats)
             if kept is None:  # everything from the checked position on is gone: crop the caches there
                 cache.crop(root.position + 1)
             for k, keep in enumerate(pipe.pruned):   # dropped branches leave the in-flight tails
                 if keep is not None:
                     cache.select(root.position, keep, stages[k])
             stats.verify_seconds += _now(device) - t
-            stats.new_tokens += 1
             stats.decode_seconds = _now(device) - t_decode
             yield token
             if token in eos or stats.new_tokens >= max_new_tokens:
                 return
         if pipe.newest[0].hidden is None:   # not when a pruning left an older level newest
-            enter(pipe.newest)
+            embed_level(target, pipe.newest, features, column)
 
 
 @dataclass

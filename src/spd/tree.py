@@ -15,7 +15,9 @@ the root exits, its logits verify level 1: the accepted child becomes the root, 
 under it is pruned, and `settle` says which tail entries each stage keeps (the engine compacts
 the caches); on rejection the target's token restarts the pipeline (caches cropped there).
 
-This module knows nothing about models: the engine (spd.engine.stream) drives it.
+This module knows nothing about models or processes: the engine (spd.engine.stream) and the
+distributed controller (spd.runtime.controller) drive `TreePipeline`; a stage process of the
+distributed runtime mirrors its own `StageTail` from each cycle's `TreeShape`.
 """
 
 from __future__ import annotations
@@ -102,6 +104,96 @@ class TreeDraftState:
         return self.tokens + chain[::-1]
 
 
+class StageTail:
+    """What one stage's caches hold after the verified prefix: the in-flight nodes that ran it, in
+    the order they ran (the root first). The engine keeps one per stage inside `TreePipeline`; a
+    stage process of the distributed runtime keeps its own, rebuilt from each cycle's `TreeShape`,
+    and both mask and prune with these same methods."""
+
+    def __init__(self):
+        self.nodes: list[Node] = []
+
+    def find(self, uid: int) -> Node:
+        for node in self.nodes:
+            if node.uid == uid:
+                return node
+        raise KeyError(f"node {uid} is not in this stage's cache tail ({[n.uid for n in self.nodes]})")
+
+    def mask(self, nodes: list[Node], device) -> TreeMask | None:
+        """The mask of `nodes` (one level) running this stage; None when it is a chain (the causal
+        mask is exact). Keys: the prefix (every position before the root), the tail, the nodes."""
+        tail = self.nodes
+        prefix = tail[0].position if tail else nodes[0].position   # an empty tail: the root runs
+        lines = [node.lineage() for node in nodes]
+        if len(nodes) == 1 and all(t.uid in lines[0] for t in tail):
+            return None
+        kv = prefix + len(tail) + len(nodes)
+        keys = list(range(prefix)) + [t.position for t in tail] + [node.position for node in nodes]
+        allowed = torch.zeros(len(nodes), kv, dtype=torch.bool)
+        allowed[:, :prefix] = True
+        for i, line in enumerate(lines):
+            allowed[i, prefix:prefix + len(tail)] = torch.tensor([t.uid in line for t in tail], dtype=torch.bool)
+            allowed[i, prefix + len(tail) + i] = True
+        return TreeMask(torch.tensor(keys, device=device), allowed.to(device))
+
+    def ran(self, nodes: list[Node]) -> None:
+        self.nodes.extend(nodes)
+
+    def settle(self, accepted: int) -> tuple[int, list[int] | None]:
+        """The root exited and its child `accepted` (a uid) survived: the root's entry joins the
+        prefix and only the accepted child's subtree stays. Returns (the root's position, the
+        entries after it to keep, None: all) for `KVCache.select`; (0, None) on an empty tail."""
+        tail = self.nodes
+        if not tail:
+            return 0, None
+        keep = [0] + [i for i in range(1, len(tail)) if accepted in tail[i].lineage()]
+        self.nodes = [tail[i] for i in keep[1:]]
+        if self.nodes:
+            assert self.nodes[0].uid == accepted, (accepted, self.nodes[0].uid)
+            self.nodes[0].parent = None   # the new root: lineages stay short
+        return tail[0].position, None if len(keep) == len(tail) else keep
+
+    def restart(self) -> None:
+        """A rejection: every cache was cropped to the corrected position; nothing is in flight."""
+        self.nodes = []
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """One cycle's tree as the stages of the distributed runtime need it (W > 1): `accepted`, the
+    uid of the child the last verification kept (-1: none, or a rejection, which crops instead),
+    and per stage the nodes it runs as (uid, parent uid; -1 for the root), in level order.
+
+    As ints (`encode`): accepted, then per stage [w, uid_1..uid_W, parent_1..parent_W], padded
+    with -1: 1 + n (1 + 2W) slots."""
+
+    accepted: int
+    stages: tuple[tuple[tuple[int, int], ...], ...]
+
+    @staticmethod
+    def size(n_stages: int, width: int) -> int:
+        return 1 + n_stages * (1 + 2 * width)
+
+    def encode(self, width: int) -> list[int]:
+        out = [self.accepted]
+        for nodes in self.stages:
+            assert len(nodes) <= width, (len(nodes), width)
+            pad = [-1] * (width - len(nodes))
+            out += [len(nodes)] + [u for u, _ in nodes] + pad + [p for _, p in nodes] + pad
+        return out
+
+    @classmethod
+    def decode(cls, ints, n_stages: int, width: int) -> "TreeShape":
+        ints = list(ints)
+        assert len(ints) == cls.size(n_stages, width), (len(ints), n_stages, width)
+        stages, slot = [], 1 + 2 * width
+        for k in range(n_stages):
+            part = ints[1 + k * slot: 1 + (k + 1) * slot]
+            w = part[0]
+            stages.append(tuple(zip(part[1:1 + w], part[1 + width:1 + width + w])))
+        return cls(ints[0], tuple(stages))
+
+
 class TreePipeline:
     """One sequence's tree of in-flight tokens and each stage's cache tail (see module docstring)."""
 
@@ -112,7 +204,7 @@ class TreePipeline:
         self.node_rows = node_rows
         self.row_count = (n_stages + 3) * (config.width + 1)   # more than ever live at once
         self.levels: list[list[Node]] = []
-        self.tails: list[list[Node]] = [[] for _ in range(n_stages)]
+        self.tails = [StageTail() for _ in range(n_stages)]
         self.pruned: list[list[int] | None] = [None] * n_stages
         self._restart(tokens[-1], len(tokens) - 1)
 
@@ -124,7 +216,8 @@ class TreePipeline:
     def _restart(self, token: int, position: int) -> None:
         self.levels = [[self._node(token, position)]]
         self.depths = [0]
-        self.tails = [[] for _ in range(self.n_stages)]
+        for tail in self.tails:
+            tail.restart()
 
     @property
     def root(self) -> Node:
@@ -155,24 +248,22 @@ class TreePipeline:
 
     def stage_mask(self, k: int, nodes: list[Node], device) -> TreeMask | None:
         """The mask of `nodes` running stage k; None when it is a chain (the causal mask is exact)."""
-        tail, prefix = self.tails[k], self.root.position
-        lines = [node.lineage() for node in nodes]
-        if len(nodes) == 1 and all(t.uid in lines[0] for t in tail):
-            return None
-        kv = prefix + len(tail) + len(nodes)
-        keys = list(range(prefix)) + [t.position for t in tail] + [node.position for node in nodes]
-        allowed = torch.zeros(len(nodes), kv, dtype=torch.bool)
-        allowed[:, :prefix] = True
-        for i, line in enumerate(lines):
-            allowed[i, prefix:prefix + len(tail)] = torch.tensor([t.uid in line for t in tail], dtype=torch.bool)
-            allowed[i, prefix + len(tail) + i] = True
-        return TreeMask(torch.tensor(keys, device=device), allowed.to(device))
+        return self.tails[k].mask(nodes, device)
 
-    def ran(self, k: int, nodes: list[Node], hidden: torch.Tensor) -> None:
-        """`nodes` ran stage k: their entries follow the tail of its caches; (1, w, H) outputs."""
-        self.tails[k].extend(nodes)
-        for i, node in enumerate(nodes):
-            node.hidden = hidden[:, i:i + 1] if len(nodes) > 1 else hidden
+    def ran(self, k: int, nodes: list[Node], hidden: torch.Tensor | None = None) -> None:
+        """`nodes` ran stage k: their entries follow the tail of its caches; (1, w, H) outputs
+        (None: the stage ran in another process, which keeps them)."""
+        self.tails[k].ran(nodes)
+        if hidden is not None:
+            for i, node in enumerate(nodes):
+                node.hidden = hidden[:, i:i + 1] if len(nodes) > 1 else hidden
+
+    def shape(self, work: list[tuple[list[Node], int]], accepted: int) -> TreeShape:
+        """`work` (see `work`) as the stages of the distributed runtime receive it."""
+        stages = [()] * self.n_stages
+        for level, k in work:
+            stages[k] = tuple((node.uid, node.parent.uid if node.parent is not None else -1) for node in level)
+        return TreeShape(accepted, tuple(stages))
 
     def grow(self, proposals: list[list[Candidate]], fill: int) -> list[Node]:
         """Children of the newest level from per-leaf candidates: the best W by path score
@@ -219,8 +310,7 @@ class TreePipeline:
         child.parent = None   # the root's link is cut: lineages stay short
         self.levels, self.depths = levels, self.depths[1:1 + len(levels)]
         for k, tail in enumerate(self.tails):
-            assert not tail or tail[0] is root
-            keep = [0] + [i for i in range(1, len(tail)) if tail[i].uid in alive]
-            self.pruned[k] = None if len(keep) == len(tail) else keep
-            self.tails[k] = [tail[i] for i in keep[1:]]
+            assert not tail.nodes or tail.nodes[0] is root
+            _, self.pruned[k] = tail.settle(child.uid)
+            assert all(node.uid in alive for node in tail.nodes)
         return child, token, child

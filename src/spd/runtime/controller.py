@@ -1,17 +1,19 @@
 """The control rank: embedding, drafting, final norm + lm_head, verification; drives the stages.
 
 `Controller.stream` is the engine's schedule (spd.engine.stream) with the stage step done by
-other processes. It reuses the engine's pieces -- `Pipeline` (which positions run which stage,
-admit, settle = verify + truncate), `store_snapshots`, `DraftState`, the drafters and
-`sampling.verify` -- so the two loops cannot drift apart. Per cycle:
+other processes. It reuses the engine's pieces -- `tree.TreePipeline` (which nodes run which
+stage, grow, settle = verify + prune), `engine.propose` / `engine.settle` / `embed_level`,
+`store_snapshots`, the drafters and `sampling.verify_multi` -- so the two loops cannot drift
+apart. The chain (W = 1) is the tree's width-1 case, as in the engine. Per cycle:
 
-1. broadcast the command (newest/oldest in-flight positions, and the crop of the last
-   rejection), send the newest token's embedding to stage 0 (or run stage 0 here);
+1. broadcast the command (newest/oldest in-flight positions, the crop of the last rejection;
+   with W > 1 also the tree shape: the child the last verification kept and every stage's
+   nodes), send the newest level's embedding to stage 0 (or run stage 0 here);
 2. draft from pre-step features while the stages compute (PPSD-style drafters: after step 3);
 3. take the stages' reports: anchor hidden states for the PDM, and the finished token (its
    hidden state, or -- head on the last stage -- its argmax / logits computed there);
 4. if a token finished: lm_head (unless done by the last stage) + verify; a rejection becomes
-   the next command's crop.
+   the next command's crop, a kept child (W > 1) the next command's pruning.
 
 Timing of every cycle is kept for the breakdown (PDM, slowest stage, verify, communication,
 idle) that `breakdown` computes once the stages sent their compute times.
@@ -24,10 +26,11 @@ from typing import Iterator
 
 import torch
 
-from ..drafters import Drafter, draft_source
-from ..engine import Pipeline, SPDStats, store_snapshots
+from ..drafters import Drafter
+from ..engine import SPDStats, check_tree, embed_level, propose, settle, start_stats, store_snapshots
 from ..sampling import SamplingParams, sample
 from ..target import Target
+from ..tree import Node, TreeConfig, TreePipeline
 from .layout import CONTROL_RANK, Layout
 from .protocol import Command, Link, Op, report_indices
 from .stage import StageWorker, now
@@ -78,12 +81,13 @@ class Issued:
     """A cycle whose command went out: what it runs, and the reports still to take."""
 
     command: Command
-    work: list[tuple[int, int]]      # (position, stage k)
-    hidden: torch.Tensor             # stage 0's input
+    work: list[tuple]                # (feature rows: a slice or a list, stage k), newest first
+    hidden: torch.Tensor | None      # stage 0's input (None: stage 0 idles)
     posted: dict                     # stage k -> pending report receive
     verdict: tuple | None            # pending receive of the last stage's argmax / logits (head there)
     times: CycleTimes
     start: float
+    levels: list[tuple[list[Node], int]] = field(default_factory=list)   # a STEP's (tree level, stage k)
     reports: dict = field(default_factory=dict)
 
 
@@ -124,13 +128,16 @@ class Controller:
     """
 
     def __init__(self, target: Target, layout: Layout, link: Link, anchors, local: StageWorker | None,
-                 lookahead: str = "off", board=None):
+                 lookahead: str = "off", board=None, tree: TreeConfig = TreeConfig()):
         assert target.embed_tokens is not None and target.lm_head is not None, "control needs embed + head"
         assert (local is not None) == layout.colocated
         self.target, self.layout, self.link, self.local = target, layout, link, local
-        self.lookahead = lookahead
+        self.lookahead, self.tree = lookahead, tree
         self.board = board   # the status board that shows stage 1 a long local prefill (with-first-stage)
         LookaheadPolicy(lookahead)   # a bad mode fails here
+        if tree.width > 1 and lookahead != "off":
+            raise ValueError(f"--lookahead {lookahead} needs tree width 1 (it assumes the one draft is "
+                             f"accepted); use --lookahead off with --tree-width {tree.width}")
         self._last: Issued | None = None   # the latest STEP, whose total the next command closes
         self.anchors = sorted(set(anchors))
         n = layout.n_stages
@@ -145,22 +152,24 @@ class Controller:
             self._last.times.total = t - self._last.start
         self._last = None
 
-    def _issue(self, command: Command, hidden: torch.Tensor, work) -> Issued:
+    def _issue(self, command: Command, hidden: torch.Tensor | None, work, levels=()) -> Issued:
         """Broadcast the command, post the report receives, send stage 0 its input (if remote)."""
         start = now(self.link.device)
         self._close_times(start)
         self.link.broadcast(command)
-        posted = {k: self.link.post((len(self.rows[k]), hidden.shape[1], self.target.hidden_size), self.target.dtype,
+        count = lambda rows: len(range(rows.stop)[rows]) if isinstance(rows, slice) else len(rows)  # noqa: E731
+        posted = {k: self.link.post((len(self.rows[k]), count(rows), self.target.hidden_size), self.target.dtype,
                                     self.layout.stage_rank(k), f"the report of stage {k}")
-                  for _, k in work if self.rows[k] and self.layout.stage_rank(k) != CONTROL_RANK}
+                  for rows, k in work if self.rows[k] and self.layout.stage_rank(k) != CONTROL_RANK}
         verdict = None
         last = self.layout.n_stages - 1
         if self.layout.head_on_last and any(k == last for _, k in work):
             shape, dtype = ((self.target.vocab_size,), torch.float32) if command.sample else ((1,), torch.long)
             verdict = self.link.post(shape, dtype, self.layout.stage_rank(last), "the verdict input of the last stage")
-        if self.local is None:
+        assert (hidden is not None) == any(k == 0 for _, k in work), "stage 0 runs iff it gets an input"
+        if self.local is None and hidden is not None:
             self.link.send(hidden, self.layout.stage_rank(0), "the input of stage 0")
-        issued = Issued(command, work, hidden, posted, verdict, CycleTimes(), start)
+        issued = Issued(command, work, hidden, posted, verdict, CycleTimes(), start, list(levels))
         self._last = issued if command.op == Op.STEP else None
         return issued
 
@@ -184,10 +193,10 @@ class Controller:
             cycle.reports[k] = self.link.take(message, patient)
         verdict = self.link.take(cycle.verdict, patient) if cycle.verdict is not None else None
         self.link.flush(before_cycle=True)
-        positions = {k: slice(p, p + cycle.hidden.shape[1]) for p, k in cycle.work}
+        rows = {k: rows for rows, k in cycle.work}
         for k, report in cycle.reports.items():
             if report is not None:
-                store_snapshots(features, positions[k], dict(zip(self.rows[k], report)), column)
+                store_snapshots(features, rows[k], dict(zip(self.rows[k], report)), column)
         cycle.times.reports = now(self.link.device) - cycle.start
         if self.layout.head_on_last:
             return verdict
@@ -195,7 +204,7 @@ class Controller:
         return None if last is None else last[-1]   # row L is the last report row
 
     def logits(self, finished: torch.Tensor) -> torch.Tensor:
-        """(V,) target logits of the finished token, for `sample` / `Pipeline.settle`: from its
+        """(V,) target logits of the finished token, for `sample` / `engine.settle`: from its
         (q, H) pre-norm rows here, or as the last stage sent them. A greedy last stage sends only
         the argmax, which is all greedy verification reads: a one-hot stands for the logits."""
         if not self.layout.head_on_last:
@@ -214,12 +223,15 @@ class Controller:
             self.link.take(cycle.verdict)
         self.link.flush(before_cycle=True)
 
-    def _step(self, tokens, newest: int, first: int, crop: int, features, column) -> Issued:
-        """Issue the STEP for in-flight positions first..newest: the newest enters at depth 0."""
-        command = Command(Op.STEP, newest=newest, first=first, crop=crop, sample=self._sample)
-        hidden = self.target.embed(torch.tensor(tokens[newest:newest + 1], device=self.link.device))
-        store_snapshots(features, [newest], {0: hidden[0]}, column)   # its depth-0 feature
-        return self._issue(command, hidden, [(p, newest - p) for p in range(newest, first - 1, -1)])
+    def _step(self, pipe: TreePipeline, work, hidden: torch.Tensor | None, crop: int = -1, accepted: int = -1,
+              first: int | None = None) -> Issued:
+        """Issue the STEP of `work` ((level, stage k), newest first; `hidden`: the embedding of
+        the level at depth 0, if one is). W = 1: the chain's command, positions first..newest."""
+        first = pipe.root.position if first is None else first
+        tree = tuple(pipe.shape(work, accepted).encode(pipe.width)) if pipe.width > 1 else ()
+        command = Command(Op.STEP, newest=pipe.newest[0].position, first=first, crop=crop, sample=self._sample,
+                          tree=tree)
+        return self._issue(command, hidden, [([node.row for node in level], k) for level, k in work], work)
 
     def _prefill(self, prompt_ids, features, column, params, gen) -> int:
         """The prompt through the stages, pipelined in chunks (crop to 0 first); the target's own
@@ -228,7 +240,7 @@ class Controller:
         hidden = self.target.embed(torch.tensor(prompt_ids, device=self.link.device))
         store_snapshots(features, slice(0, length), {0: hidden[0]}, column)
         prefill = self._issue(Command(Op.PREFILL, newest=length - 1, first=0, crop=0, sample=self._sample), hidden,
-                              [(0, k) for k in range(self.layout.n_stages)])
+                              [(slice(0, length), k) for k in range(self.layout.n_stages)])
         self._run_local(prefill)
         return sample(self.logits(self._collect(prefill, features, column, patient=True)), params, gen)
 
@@ -244,9 +256,9 @@ class Controller:
         if missing:
             raise ValueError(f"the drafter needs anchors {missing} that this run does not record "
                              f"(it records {self.anchors}); start the run with the drafter's anchors")
+        check_tree(target, drafter, self.tree)
         stats = stats if stats is not None else DistributedStats(n)
-        stats.n_stages, stats.prompt_tokens, stats.stage_seconds = n, len(prompt_ids), [0.0] * n
-        stats.verified_by_fill, stats.accepted_by_fill = [0] * n, [0] * n
+        start_stats(stats, n, len(prompt_ids), self.tree)
         cycles = cycles if cycles is not None else []
         if max_new_tokens < 1:
             return
@@ -254,7 +266,9 @@ class Controller:
         eos, gen = set(eos_token_ids), params.generator(device)
         column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
         capacity = len(prompt_ids) + max_new_tokens + n + 1
-        features = torch.zeros(capacity, len(column), target.hidden_size, device=device, dtype=target.dtype)
+        node_rows = 0 if self.tree.width == 1 else (n + 3) * (self.tree.width + 1)   # as the engine's
+        features = torch.zeros(capacity + node_rows, len(column), target.hidden_size, device=device,
+                               dtype=target.dtype)
 
         t0, length = now(device), len(prompt_ids)
         tokens = list(prompt_ids) + [self._prefill(prompt_ids, features, column, params, gen)]
@@ -265,43 +279,43 @@ class Controller:
 
         drafter.begin(length)
         policy = LookaheadPolicy(self.lookahead)
-        pipe = Pipeline(tokens, first_inflight=length, n_stages=n)
-        drafted = {}   # in-flight draft position -> (pipeline fill when drafted, its source)
+        pipe = TreePipeline(tokens, n, self.tree, node_rows=capacity)   # the first token is the root
         t_decode = now(device)
-        cycle = self._step(tokens, pipe.newest, pipe.first_inflight, -1, features, column)
+        cycle = self._step(pipe, pipe.work(), embed_level(target, pipe.newest, features, column))
         while True:
             self._run_local(cycle)
             if not drafter.after_stages:   # concurrently with the stages
                 t = now(device)
-                draft, q = drafter.draft(pipe.draft_state(features), params, gen)
+                proposals = propose(drafter, pipe, features, params, gen, stats)
                 cycle.times.pdm = now(device) - t
             finished = self._collect(cycle, features, column)
             stats.cycles += 1
+            for level, k in cycle.levels:
+                pipe.ran(k, level)   # the stage processes keep the outputs
+                stats.stage_tokens += len(level)
             if drafter.after_stages:   # PPSD-style: from the newest token's stage-1 output
                 t = now(device)
-                draft, q = drafter.draft(pipe.draft_state(features, stepped=True), params, gen)
+                proposals = propose(drafter, pipe, features, params, gen, stats, stepped=True)
                 cycle.times.pdm = now(device) - t
-            pipe.admit(draft, q)
-            drafted[pipe.newest] = (len(cycle.work), draft_source(drafter))
-            stats.pdm_seconds += cycle.times.pdm
-            ahead, token, accepted, crop = None, None, True, -1
-            if len(cycle.work) == n:   # the oldest token finished all n stages: verify the next one
-                if policy.ahead():     # issue the next cycle as if the draft is accepted, then verify
-                    ahead = self._step(tokens, pipe.newest, pipe.first_inflight + 1, -1, features, column)
+            pipe.grow(proposals, fill=len(cycle.levels))   # the drafts join at depth 0
+            ahead, token, kept, crop, accepted = None, None, None, -1, -1
+            if pipe.exits:   # the root finished all n stages: verify level 1
+                if policy.ahead():   # issue the next cycle as if the draft is accepted, then verify
+                    hidden = embed_level(target, pipe.newest, features, column)
+                    ahead = self._step(pipe, pipe.work()[:-1], hidden, first=pipe.root.position + 1)
                 t = now(device)
-                accepted, token, checked = pipe.settle(self.logits(finished), params, gen)
-                stats.count(*drafted.pop(checked), accepted)
-                if not accepted:
-                    drafted.clear()
-                crop = -1 if accepted else checked   # every stage crops there next cycle
+                kept, token = settle(pipe, features, self.logits(finished), params, gen, stats)
+                if kept is None:     # every stage crops to the corrected position next cycle
+                    crop = pipe.root.position
+                else:                # every stage drops the branches not under the kept child
+                    accepted = kept.uid if self.tree.width > 1 else -1
                 cycle.times.verify = now(device) - t
                 stats.verify_seconds += cycle.times.verify
-                policy.update(accepted, cycle.times.verify, cycle.times.reports)
+                policy.update(kept is not None, cycle.times.verify, cycle.times.reports)
             cycles.append(cycle.times)
             if token is not None:
-                stats.new_tokens += 1
                 done = token in eos or stats.new_tokens >= max_new_tokens
-                if ahead is not None and (done or not accepted):   # the looked-ahead cycle was in vain
+                if ahead is not None and (done or kept is None):   # the looked-ahead cycle was in vain
                     self._waste(ahead)
                     stats.cycles += 1
                     cycles.append(ahead.times)
@@ -316,8 +330,12 @@ class Controller:
                 if done:
                     self._close_times(now(device))
                     return
-            cycle = ahead if ahead is not None else self._step(tokens, pipe.newest, pipe.first_inflight, crop,
-                                                               features, column)
+            if ahead is not None:
+                cycle = ahead
+                continue
+            entering = pipe.newest[0].hidden is None   # not when a pruning left an older level newest
+            hidden = embed_level(target, pipe.newest, features, column) if entering else None
+            cycle = self._step(pipe, pipe.work(), hidden, crop, accepted)
 
     def gather_timings(self, cycles: int) -> list[list[float]]:
         """STATS: every stage's [prefill, per-cycle compute seconds] of the current sequence."""

@@ -29,11 +29,13 @@ from ..engine import GenerationResult
 from ..pdm import default_anchors, fits_split
 from ..retrieval import Gate, drafter_kind, make_drafter
 from ..sampling import SamplingParams
+from ..families import RECURRENT_KINDS, layer_kinds
 from ..shipped import shipped_pdm
+from ..tree import TreeConfig
 from .controller import LOOKAHEAD, Controller, CycleTimes, DistributedStats, breakdown
 from .faults import Progress, StageFailure, StatusBoard, describe_exit, diagnose, read_status
 from .layout import CONTROL_RANK, Layout, LayoutError, backend_for, default_threads, pick_device
-from .protocol import Link, PeerError
+from .protocol import Link, PeerError, command_size
 from .weights import read_model_config
 from .worker import worker_main
 
@@ -59,6 +61,11 @@ class RunSpec:
     drafter: str = "hybrid"          # rank 0's drafter: hybrid / pdm / retrieval (spd.retrieval)
     head: str = "last"               # final norm + lm_head on the last stage's rank, or "control" (rank 0)
     prefill_chunk: int = 32          # prompt positions per pipelined prefill message
+    tree_width: int = 1              # W candidates per pipeline level (spd.tree; 1 = the chain)
+
+    @property
+    def command_size(self) -> int:
+        return command_size(len(self.stage_layers), self.tree_width)
 
     @property
     def layout(self) -> Layout:
@@ -82,6 +89,7 @@ def plan(model: str, stages: int | None = None, split: list[int] | None = None, 
     if options.get("lookahead", "off") not in LOOKAHEAD:
         raise LayoutError(f"--lookahead must be one of {', '.join(LOOKAHEAD)}; got {options['lookahead']!r}")
     folder, config = read_model_config(model)
+    check_tree_width(config, options.get("tree_width", 1), options.get("lookahead", "off"))
     num_layers = config.num_hidden_layers
     pdm = pdm if pdm is not None else shipped_pdm(model, stages, split)
     pdm_config = read_config(pdm) if pdm is not None else None
@@ -107,6 +115,23 @@ def plan(model: str, stages: int | None = None, split: list[int] | None = None, 
         anchors = () if kind == "retrieval" else tuple(default_anchors(list(counts)))
     return RunSpec(model=str(folder), stage_layers=counts, draft_rank=draft_rank, anchors=anchors, pdm=pdm,
                    drafter=kind, **options)
+
+
+def check_tree_width(config, width: int, lookahead: str) -> None:
+    """Refuse a tree width the run cannot do, before any process starts (the engine's own check
+    runs again on rank 0 with the drafter)."""
+    if width < 1:
+        raise LayoutError(f"--tree-width must be at least 1; got {width}")
+    if width == 1:
+        return
+    recurrent = sorted(set(layer_kinds(config)) & RECURRENT_KINDS)
+    if recurrent:
+        raise LayoutError(f"--tree-width {width} needs attention-only layers: {config.model_type} has "
+                          f"{', '.join(recurrent)} layers, whose state cannot hold several branches; "
+                          f"use --tree-width 1")
+    if lookahead != "off":
+        raise LayoutError(f"--lookahead {lookahead} needs --tree-width 1 (it assumes the one draft is accepted); "
+                          f"use --lookahead off with --tree-width {width}")
 
 
 def under_torchrun() -> bool:
@@ -325,9 +350,12 @@ def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int
     # with stage 0 here, a board shows stage 1 that this process computes the prefill
     board = StatusBoard(store, CONTROL_RANK).start() if layout.colocated else None
     read = board.read if board is not None else (lambda rank: read_status(store, rank))
-    link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, progress=Progress(read, remote))
-    local = StageWorker(target, layout, 0, link, spec.anchors, spec.prefill_chunk) if layout.colocated else None
-    controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead, board=board)
+    link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, progress=Progress(read, remote),
+                command_size=spec.command_size)
+    local = (StageWorker(target, layout, 0, link, spec.anchors, spec.prefill_chunk, spec.tree_width)
+             if layout.colocated else None)
+    controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead, board=board,
+                            tree=TreeConfig(spec.tree_width))
     gate = Gate.load(spec.pdm) if spec.pdm is not None else Gate()
     return Session(spec, controller, store, workers, pdm, gate)
 

@@ -5,9 +5,14 @@ positions, the position to crop every KV cache to first (the last cycle's reject
 for a new sequence), and whether the sequence samples (then a last stage that holds the head
 returns the target's logits, else only their argmax). From it each stage works out alone whether it runs this cycle and on which
 position (stage k runs position newest - k when that is in flight), and whether its upstream
-neighbour sent it a hidden state last cycle. Tensors that flow:
+neighbour sent it a hidden state last cycle. With a tree width W > 1 (spd.tree) the command
+carries the cycle's `tree.TreeShape` after those 5 ints (1 + n (1 + 2W) more, every command of
+the run that size): the child the last verification kept, so each stage prunes its own cache
+tail, and per stage the nodes it runs (uid, parent uid), from which it builds their tree mask
+and picks its upstream rows; `first` is then the root's position. Tensors that flow:
 
-- control -> stage 0: the new token's embedding (1, 1, H) (the prompt's (1, P, H) at prefill);
+- control -> stage 0: the new token's embedding (1, 1, H) (the prompt's (1, P, H) at prefill;
+  a tree level's (1, w, H));
 - stage k -> stage k+1: its output, which stage k+1 runs in the NEXT cycle (at prefill: at once);
 - stage k -> control: its *report* (r_k, q, H): the hidden states at the anchors it passes and,
   for the last stage, its output (index L, pre-norm) -- the finished token the control verifies;
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..tree import TreeShape
 from .layout import CONTROL_RANK
 
 
@@ -53,6 +59,7 @@ class Command:
     first: int = 0       # oldest in-flight position
     crop: int = -1       # crop every KV cache to this position before anything else (-1: keep)
     sample: int = 0      # 1: the sequence samples (a last stage holding the head sends logits)
+    tree: tuple[int, ...] = ()   # W > 1: the cycle's tree.TreeShape as ints (STEP), else -1s
 
     def position(self, k: int) -> int | None:
         """The position stage k runs under this command (STEP), or None when it idles."""
@@ -61,14 +68,21 @@ class Command:
         position = self.newest - k
         return position if position >= self.first else None
 
-    def encode(self, device) -> torch.Tensor:
-        return torch.tensor([int(self.op), self.newest, self.first, self.crop, self.sample], dtype=torch.long,
-                            device=device)
+    def encode(self, device, size: int = COMMAND_SIZE) -> torch.Tensor:
+        """`size` ints: the 5 header ints, the tree ints, -1 up to `size` (a tree run's STATS...)."""
+        ints = [int(self.op), self.newest, self.first, self.crop, self.sample, *self.tree]
+        assert len(ints) <= size, (len(ints), size)
+        return torch.tensor(ints + [-1] * (size - len(ints)), dtype=torch.long, device=device)
 
     @classmethod
     def decode(cls, data: torch.Tensor) -> "Command":
-        op, newest, first, crop, sample = data.tolist()
-        return cls(Op(op), newest, first, crop, sample)
+        op, newest, first, crop, sample, *tree = data.tolist()
+        return cls(Op(op), newest, first, crop, sample, tuple(tree))
+
+
+def command_size(n_stages: int, width: int) -> int:
+    """Ints per command of a run: 5, plus the tree shape when W > 1 (W = 1 is the chain's format)."""
+    return COMMAND_SIZE + (TreeShape.size(n_stages, width) if width > 1 else 0)
 
 
 def report_indices(stage: range, anchors, num_layers: int, last: bool) -> list[int]:
@@ -99,8 +113,9 @@ class Link:
     """
 
     def __init__(self, device: torch.device, timeout: float, names: dict[int, str],
-                 idle_timeout: float | None = None, on_wait=None, progress=None):
+                 idle_timeout: float | None = None, on_wait=None, progress=None, command_size: int = COMMAND_SIZE):
         self.device, self.names = device, names
+        self.command_size = command_size   # ints per broadcast command (protocol.command_size)
         self.timeout = datetime.timedelta(seconds=timeout)
         self.idle_timeout = datetime.timedelta(seconds=idle_timeout or timeout)
         self.on_wait = on_wait or (lambda state: None)
@@ -200,7 +215,7 @@ class Link:
 
     def broadcast(self, command: Command) -> None:
         """Rank 0: send this cycle's command to every rank (completion checked at `flush`)."""
-        data = command.encode(self.device)
+        data = command.encode(self.device, self.command_size)
         self.cycle += 1
         work = self._start(lambda: dist.broadcast(data, src=CONTROL_RANK, async_op=True), CONTROL_RANK,
                            "the command broadcast")
@@ -208,7 +223,7 @@ class Link:
 
     def receive_command(self, idle: bool = True) -> Command:
         """Any other rank: the next command (waiting at most `idle_timeout` between sequences)."""
-        data = torch.empty(COMMAND_SIZE, dtype=torch.long, device=self.device)
+        data = torch.empty(self.command_size, dtype=torch.long, device=self.device)
         work = self._start(lambda: dist.broadcast(data, src=CONTROL_RANK, async_op=True), CONTROL_RANK,
                            "the next command from the control rank")
         self._wait(work, CONTROL_RANK, "the next command from the control rank",

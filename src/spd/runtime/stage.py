@@ -16,6 +16,12 @@ positions, each stage passing a chunk on as soon as it ran it, so stage k runs c
 stage k+1 runs chunk j-1 (time to first token drops by up to n, and no wait lasts longer than a
 chunk's compute). Each stage reports the prompt's anchors once, at the end.
 
+With a tree width W > 1 a stage runs a whole tree level per cycle, (1, w, H) in one forward
+under the tree mask of its own cache tail (`tree.StageTail`, the engine's class), which it
+rebuilds from the command's `tree.TreeShape`: it first drops the branches the last verification
+pruned (`KVCache.select`, as the engine does), then runs the listed nodes, taking their rows of
+what its upstream neighbour sent by uid.
+
 The same worker runs inside the control process for `--draft-rank with-first-stage`; then it
 returns its report instead of sending it. `serve` is the loop of a stage process.
 """
@@ -28,6 +34,7 @@ import time
 import torch
 
 from ..target import Target
+from ..tree import Node, StageTail, TreeShape
 from .layout import CONTROL_RANK, Layout
 from .protocol import Command, Link, Op, report_indices
 
@@ -54,7 +61,7 @@ class StageWorker:
     """Stage k of `layout` on `target` (which must hold at least that stage's layers)."""
 
     def __init__(self, target: Target, layout: Layout, k: int, link: Link, anchors,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, width: int = 1):
         self.target, self.layout, self.k, self.link = target, layout, k, link
         self.stage = layout.stages[k]
         missing = [i for i in self.stage if i not in target.layers]
@@ -70,7 +77,9 @@ class StageWorker:
         self.downstream = None if self.last else layout.stage_rank(k + 1)
         self.local = layout.stage_rank(k) == CONTROL_RANK   # runs inside the control process
         self.previous: Command | None = None   # the last STEP, to know what upstream sent
-        self.carried: tuple[int, torch.Tensor] | None = None
+        self.carried: tuple | None = None      # (position, or a tree level's uids; hidden)
+        self.width = width                     # tree width W (1: the chain)
+        self.tail = StageTail()                # W > 1: the in-flight nodes of this stage's caches
         self.cycle_seconds: list[float] = []   # compute time per STEP of the current sequence
         self.prefill_seconds = 0.0
 
@@ -79,6 +88,14 @@ class StageWorker:
         then (to use now, or to drop when a rejection made it stale)."""
         self.carried = None
         if self.k == 0 or self.previous is None:
+            return
+        if self.width > 1:
+            upstream = self.shape(self.previous).stages[self.k - 1]
+            if upstream:
+                hidden = self.link.recv((1, len(upstream), self.target.hidden_size), self.target.dtype,
+                                        self.upstream, f"the hidden states of a {len(upstream)}-node tree level")
+                self.carried = (tuple(uid for uid, _ in upstream), hidden)
+            self.previous = None
             return
         position = self.previous.position(self.k - 1)
         if position is not None:
@@ -97,8 +114,11 @@ class StageWorker:
         self.previous = command if command.op == Op.STEP else None
         if command.crop >= 0:
             self.cache.crop(command.crop)
+            self.tail.restart()
         if command.op == Op.PREFILL:
             return self._prefill(command, given)
+        if self.width > 1:
+            return self._tree_step(command, given, carried)
         position = command.position(self.k)
         if position is None:
             self.cycle_seconds.append(0.0)
@@ -119,9 +139,44 @@ class StageWorker:
         self.cycle_seconds.append(now(self.link.device) - t)
         return self._report([snapshots], verdict)
 
-    def _run(self, hidden, positions):
+    def shape(self, command: Command) -> TreeShape:
+        return TreeShape.decode(command.tree, self.layout.n_stages, self.width)
+
+    def _tree_step(self, command: Command, given: torch.Tensor | None, carried) -> torch.Tensor | None:
+        """A STEP of a tree run: prune as the last verification said, then run this stage's level."""
+        shape = self.shape(command)
+        if shape.accepted >= 0:   # the root exited and this child survived: drop the other branches
+            start, keep = self.tail.settle(shape.accepted)
+            if keep is not None:
+                self.cache.select(start, keep, self.stage)
+        entries = shape.stages[self.k]
+        if not entries:
+            self.cycle_seconds.append(0.0)
+            return None
+        nodes = []
+        for uid, parent in entries:   # a parent ran every stage before its children: it is in the tail
+            above = self.tail.find(parent) if parent >= 0 else None
+            nodes.append(Node(-1, above.position + 1 if above is not None else command.first, above, uid=uid))
+        if self.k == 0:
+            hidden = given if given is not None else self.link.recv(
+                (1, len(nodes), self.target.hidden_size), self.target.dtype, self.upstream,
+                f"the embeddings of a {len(nodes)}-node tree level")
+        else:   # the rows of upstream's last output that survived the pruning, in level order
+            assert carried is not None, (self.k, command)
+            uids, sent = carried
+            hidden = sent[:, [uids.index(uid) for uid, _ in entries]]
+        self.link.on_wait("computing")
+        t = now(self.link.device)
+        positions = torch.tensor([node.position for node in nodes], device=self.link.device)
+        out, snapshots = self._run(hidden, positions, self.tail.mask(nodes, self.link.device))
+        self.tail.ran(nodes)
+        verdict = self._verdict(out, command)
+        self.cycle_seconds.append(now(self.link.device) - t)
+        return self._report([snapshots], verdict)
+
+    def _run(self, hidden, positions, tree=None):
         """Run this stage's layers and pass the output downstream at once."""
-        out, snapshots = self.target.run_layers(hidden, positions, self.stage, self.cache, self.record)
+        out, snapshots = self.target.run_layers(hidden, positions, self.stage, self.cache, self.record, tree)
         if self.downstream is not None:
             self.link.send(out, self.downstream, "the output of stage %d" % self.k)
         return out, snapshots
@@ -200,6 +255,7 @@ def serve(worker: StageWorker, link: Link, board=None) -> None:
         if command.op == Op.STATS:
             link.send(worker.timings(), CONTROL_RANK, "the timings of stage %d" % worker.k)
         else:
-            cycle = "prefill" if command.op == Op.PREFILL else f"position {command.position(worker.k)}"
+            cycle = ("prefill" if command.op == Op.PREFILL else "a tree level" if worker.width > 1
+                     else f"position {command.position(worker.k)}")
             set_state(f"computing {cycle}")
             worker.handle(command)

@@ -44,8 +44,9 @@ def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_wo
         init_rank(spec, rank, world_size, store, local_rank, local_world)
         stage_ranks = [layout.stage_rank(j) for j in range(layout.n_stages)]
         link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, on_wait=board.set,
-                    progress=Progress(board.read, [r for r in stage_ranks if r != rank]))
-        worker = StageWorker(target, layout, k, link, spec.anchors, spec.prefill_chunk)
+                    progress=Progress(board.read, [r for r in stage_ranks if r != rank]),
+                    command_size=spec.command_size)
+        worker = StageWorker(target, layout, k, link, spec.anchors, spec.prefill_chunk, spec.tree_width)
         log.info("stage %d (rank %d, pid %d): layers %d..%d on %s", k, rank, os.getpid(),
                  layout.stages[k].start, layout.stages[k].stop - 1, device)
         serve(worker, link, board)
