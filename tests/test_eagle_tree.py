@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import spd.baselines.eagle_tree as eagle_tree
-from conftest import tiny_model
+from conftest import FAMILY_CONFIGS, tiny_model
 from spd.baselines.ar import ar_generate
 from spd.baselines.eagle import EagleHead
 from spd.baselines.eagle_tree import TreeOptions, draft_tree, eagle_tree_generate
@@ -37,6 +37,44 @@ def test_greedy_tree_equals_ar(family):
                 assert sum(s.verify_sizes.values()) == s.rounds and max(s.verify_sizes) <= options.budget + 1
                 accepted += s.accepted
         assert vocab == 64 or accepted > 0
+
+
+def oracle_tree(reference, prompt_len, vocab):
+    """A draft_tree stand-in: per depth a wrong sibling (with a wrong child of its own) ahead of
+    the target's true token, so the true path sits behind other branches in the verified block."""
+    def oracle(head, cache, tokens, features, c, options, params, depth=None):
+        root = Node(tokens[c], c)
+        nodes, parent = [], root
+        for j in range(min(depth, options.depth)):
+            true = reference[c - prompt_len + 1 + j]
+            wrong = Node((true + 1) % vocab, parent.position + 1, parent=parent)
+            nodes += [wrong, Node(true, parent.position + 1, parent=parent)]
+            if j + 1 < min(depth, options.depth):
+                nodes.append(Node((true + 2) % vocab, wrong.position + 1, parent=wrong))
+            parent = nodes[-2] if j + 1 < min(depth, options.depth) else nodes[-1]
+        nodes.sort(key=lambda n: n.position)   # parents first, a wrong branch ahead at every depth
+        return root, nodes, 1
+    return oracle
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILY_CONFIGS) - {"llama", "qwen3", "gemma2"}))
+def test_every_family_is_lossless_or_refused(family, monkeypatch):
+    """MoE, MLA, sliding windows, scaled logits...: greedy == AR with a random head and with whole
+    paths accepted behind wrong branches (the tree mask at work); recurrent targets are refused."""
+    target = Target.from_hf(tiny_model(family, num_layers=4, vocab=6, seed=3))   # 6 ids: paths get accepted
+    prompt = [t % 6 for t in PROMPTS[2]]
+    if target.recurrent:
+        with pytest.raises(ValueError, match="recurrent"):
+            eagle_tree_generate(target, None, prompt, TreeOptions(4), max_new_tokens=4)
+        return
+    reference, _ = ar_generate(target, prompt, max_new_tokens=12, eos_token_ids=())
+    head = EagleHead.create(target, seed=1).eval()
+    options = TreeOptions(8, depth=3, top_k=3)
+    assert eagle_tree_generate(target, head, prompt, options, max_new_tokens=12, eos_token_ids=())[0] == reference
+    monkeypatch.setattr(eagle_tree, "draft_tree", oracle_tree(reference, len(prompt), 6))
+    monkeypatch.setattr(eagle_tree, "tree_round", checking_rounds(target, []))
+    tokens, s = eagle_tree_generate(target, head, prompt, options, max_new_tokens=12, eos_token_ids=())
+    assert tokens == reference and (s.rounds, s.accepted, s.verified) == (3, 8, 8)   # 3 + 1, 3 + 1, 2 + 1
 
 
 def prefilled(target, head, prompt):
@@ -96,11 +134,10 @@ def test_tree_shape_and_scores(options, monkeypatch):
     assert not dropped or max(n.score for n in dropped) <= min(n.score for n in nodes)
 
 
-def test_caches_and_features_are_compacted_to_the_accepted_path(monkeypatch):
-    """After every round the target's cache and the features equal a fresh prefill of the sequence."""
-    target = Target.from_hf(tiny_model("qwen3", num_layers=4, vocab=6, seed=6))
-    head = EagleHead.create(target, seed=2).eval()
-    real, rounds = eagle_tree.tree_round, []
+def checking_rounds(target, rounds: list):
+    """tree_round, then: the target's cache and the features equal a fresh prefill of the sequence
+    kept (every layer's keys, so a wrong tree mask shows even where the argmax survives it)."""
+    real = eagle_tree.tree_round
 
     def checking(state, options, room):
         emitted = real(state, options, room)
@@ -110,13 +147,20 @@ def test_caches_and_features_are_compacted_to_the_accepted_path(monkeypatch):
         for layer in range(target.num_layers):
             assert state.cache.length(layer) == len(kept)
             have = state.cache._keys[layer][:, :, :len(kept)]
-            assert torch.allclose(have, fresh._keys[layer][:, :, :len(kept)], atol=1e-5)
-        for j, i in enumerate(head.feature_layers):
+            assert torch.allclose(have, fresh._keys[layer][:, :, :len(kept)], atol=1e-5), layer
+        for j, i in enumerate(state.head.feature_layers):
             assert torch.allclose(state.features[:len(kept), j], snaps[i], atol=1e-5)
         rounds.append(len(emitted))
         return emitted
+    return checking
 
-    monkeypatch.setattr(eagle_tree, "tree_round", checking)
+
+def test_caches_and_features_are_compacted_to_the_accepted_path(monkeypatch):
+    """After every round the target's cache and the features equal a fresh prefill of the sequence."""
+    target = Target.from_hf(tiny_model("qwen3", num_layers=4, vocab=6, seed=6))
+    head = EagleHead.create(target, seed=2).eval()
+    rounds = []
+    monkeypatch.setattr(eagle_tree, "tree_round", checking_rounds(target, rounds))
     prompt = [2, 0, 5, 1]
     reference, _ = ar_generate(target, prompt, max_new_tokens=40, eos_token_ids=())
     tokens, s = eagle_tree_generate(target, head, prompt, TreeOptions(8, depth=3, top_k=3),
@@ -131,15 +175,7 @@ def test_oracle_tree_accepts_a_whole_path_each_round(monkeypatch):
     prompt = [2, 0, 5]
     reference, _ = ar_generate(target, prompt, max_new_tokens=25, eos_token_ids=())
 
-    def oracle(head, cache, tokens, features, c, options, params, depth=None):
-        root = Node(tokens[c], c)
-        nodes, parent = [], root
-        for j in range(min(depth, options.depth)):
-            true = reference[c - len(prompt) + 1 + j]
-            wrong = Node((true + 1) % 6, parent.position + 1, parent=parent)
-            nodes += [wrong, Node(true, parent.position + 1, parent=parent)]
-            parent = nodes[-1]
-        return root, nodes, 1
+    oracle = oracle_tree(reference, len(prompt), target.vocab_size)
 
     monkeypatch.setattr(eagle_tree, "draft_tree", oracle)
     tokens, s = eagle_tree_generate(target, head, prompt, TreeOptions(8, depth=4), max_new_tokens=25,
