@@ -34,7 +34,7 @@ def load_prompts(eval_dir: Path, limit: int) -> list[tuple[str, int, str]]:
     for name in DATASETS:
         with open(eval_dir / name / "question.jsonl") as f:
             rows += [(name, i, json.loads(line)["turns"][0]) for i, line in enumerate(f) if i < limit]
-    return rows
+    return sorted(rows, key=lambda r: (r[1], DATASETS.index(r[0])))   # datasets in turn: a partial run is balanced
 
 
 def summarize(rows: list[dict]) -> str:
@@ -61,8 +61,9 @@ def main() -> None:
     parser.add_argument("--eval-dir", type=Path, default=Path("/work/shared/eval_data"))
     parser.add_argument("--ar", type=Path, default=Path("data/acceptance-smollm2/ar_exact_256.jsonl"))
     parser.add_argument("--out", type=Path, default=Path("runs/tree"))
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "tree_rows.jsonl"
     rows = [json.loads(line) for line in rows_path.open()] if rows_path.exists() else []
@@ -92,8 +93,10 @@ def main() -> None:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(name, index, width, row["match"], s.cycles, s.accepted, s.rejected, flush=True)
-    (args.out / "tree_summary.md").write_text(summarize(rows))
-    print(summarize(rows))
+    text = summarize(rows) + "\n\nPer dataset:\n\n" + "\n\n".join(
+        f"{name}:\n" + summarize([r for r in rows if r["dataset"] == name]) for name in DATASETS)
+    (args.out / "tree_summary.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Sampling is lossless for the baselines: EAGLE-style chains and PPSD follow the target (chi-square).
+"""Sampling is lossless for the baselines: EAGLE-style chains and trees and PPSD follow the target
+(chi-square).
 
-The same tests with verification switched off (every draft accepted) must reject: that proves
-they can fail. The harness is test_sampling.py's.
+The same tests with verification switched off (every draft accepted) or, for the tree, a wrong
+multi-draft rule must reject: that proves they can fail. The harness is test_sampling.py's.
 """
 
 import itertools
@@ -10,9 +11,11 @@ import pytest
 import torch
 
 import spd.baselines.eagle as eagle
+import spd.baselines.eagle_tree as eagle_tree
 import spd.tree
 from conftest import chi_square_p, tiny_model
 from spd.baselines.eagle import EagleHead, eagle_generate
+from spd.baselines.eagle_tree import TreeOptions, eagle_tree_generate
 from spd.baselines.ppsd import PPSDDrafter, PPSDHead
 from spd.engine import generate
 from spd.sampling import SamplingParams, probs
@@ -46,10 +49,10 @@ def exact_distribution(model, params, length):
     return table
 
 
-def draw(run, count):
+def draw(run, count, params=PARAMS):
     counts = {}
     for i in range(count):
-        out = tuple(run(SamplingParams(**PARAMS, seed=i)))
+        out = tuple(run(SamplingParams(**params, seed=i)))
         counts[out] = counts.get(out, 0) + 1
     return counts
 
@@ -64,35 +67,65 @@ def eagle_run(target):
     return lambda params: eagle_generate(target, head, PROMPT, EAGLE_K, params, EAGLE_LENGTH, ())[0]
 
 
+# tree: 4 new tokens = prefill's + rounds of up to 5 nodes, 3 children per node, 2 deep
+TREE = TreeOptions(5, depth=2, top_k=3)
+
+
+def tree_run(target):
+    head = EagleHead.create(target, draft_ids=DRAFT_IDS, seed=3).eval()
+    return lambda params: eagle_tree_generate(target, head, PROMPT, TREE, params, EAGLE_LENGTH, ())[0]
+
+
 def ppsd_run(target):
     head = PPSDHead.create(target, [1, 1], draft_ids=DRAFT_IDS, init_from_target=False, seed=3).eval()
     return lambda params: generate(target, PPSDDrafter(head), PROMPT, split_layers(2, 2), params,
                                    PPSD_LENGTH, ()).tokens
 
 
-@pytest.mark.parametrize("method", ["eagle", "ppsd"])
+RUNS = {"eagle": (EAGLE_LENGTH, eagle_run), "eagle-tree": (EAGLE_LENGTH, tree_run),
+        "eagle-tree-T1": (EAGLE_LENGTH, tree_run), "ppsd": (PPSD_LENGTH, ppsd_run)}
+T1 = dict(temperature=1.0)   # plain T=1: no top-k, every id possible
+
+
+@pytest.mark.parametrize("method", list(RUNS))
 def test_baseline_sampling_matches_target_distribution(setup, method):
     model, target = setup
-    length, run = (EAGLE_LENGTH, eagle_run(target)) if method == "eagle" else (PPSD_LENGTH, ppsd_run(target))
-    table = exact_distribution(model, SamplingParams(**PARAMS), length)
+    length, run = RUNS[method][0], RUNS[method][1](target)
+    params = T1 if method.endswith("T1") else PARAMS
+    table = exact_distribution(model, SamplingParams(**params), length)
     total = 6_000
-    pvalue, impossible = chi_square_p(draw(run, total), table, total)
+    pvalue, impossible = chi_square_p(draw(run, total, params), table, total)
     assert impossible == 0, f"{method} produced a continuation the target gives probability 0"
     assert pvalue > 1e-3, f"{method}'s samples do not follow the target's distribution (p={pvalue:.2e})"
 
 
-@pytest.mark.parametrize("method", ["eagle", "ppsd"])
+def broken_multi(candidates, logits, params, gen):
+    """A wrong multi-draft rule: each candidate accepted with p(x) of the untouched p (no residual)."""
+    p = probs(logits, params)
+    for i, (x, _) in enumerate(candidates):
+        if float(torch.rand((), generator=gen)) < float(p[x]):
+            return i, x
+    return None, int(torch.multinomial(p, 1, generator=gen))
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle-tree-T1", "ppsd"])   # the tree: at T=1, where p is flattest
 def test_the_chi_square_test_fails_without_verification(setup, method, monkeypatch):
     model, target = setup
+    params = T1 if method.endswith("T1") else PARAMS
     always = lambda draft, q, logits, params, gen: (True, draft)  # noqa: E731
     if method == "eagle":
         monkeypatch.setattr(eagle, "verify", always)
         length, run = EAGLE_LENGTH, eagle_run(target)
+    elif method.startswith("eagle-tree"):
+        monkeypatch.setattr(eagle_tree, "verify_multi", broken_multi)
+        length, run = EAGLE_LENGTH, tree_run(target)
     else:
         # the engine verifies through spd.tree (the chain is its width-1 case)
         monkeypatch.setattr(spd.tree, "verify_multi", lambda candidates, logits, params, gen: (0, candidates[0][0]))
         length, run = PPSD_LENGTH, ppsd_run(target)
-    table = exact_distribution(model, SamplingParams(**PARAMS), length)
-    total = 1_000
-    pvalue, impossible = chi_square_p(draw(run, total), table, total)
+    table = exact_distribution(model, SamplingParams(**params), length)
+    # the broken tree rule only emits tokens p allows: it must fail on the cells, with the same
+    # sample count as the passing test (at T=1 no 4-token sequence reaches 5 expected in 3,000)
+    total = 6_000 if method.startswith("eagle-tree") else 1_000
+    pvalue, impossible = chi_square_p(draw(run, total, params), table, total)
     assert pvalue < 1e-3 or impossible > 0

@@ -63,6 +63,24 @@ def test_head_training_learns_and_decodes_losslessly(setup, method):
     assert accepted > 0.3   # trained on the target's own text: drafts are mostly right
 
 
+def test_head_training_resumes_exactly(setup):
+    """20 steps, a stop, --resume for the rest == 40 steps straight (same batches, same weights)."""
+    folder, target = setup
+    straight = train_head(config(folder, "eagle-straight"), "eagle", target, None)
+    paused = config(folder, "eagle-paused", stop_after=20)
+    assert train_head(paused, "eagle", target, None).step == 20
+    with pytest.raises(FileExistsError, match="--resume"):
+        train_head(paused, "eagle", target, None)
+    with pytest.raises(ValueError, match="trains a eagle head, not ppsd"):
+        train_head(config(folder, "eagle-paused", resume=True), "ppsd", target, None)
+    resumed = train_head(config(folder, "eagle-paused", resume=True), "eagle", target, None)
+    assert resumed.step == straight.step == 40 and resumed.tokens == straight.tokens
+    a = load_head(folder / "eagle-straight", target, "eagle").state_dict()
+    b = load_head(folder / "eagle-paused", target, "eagle").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
 def test_unrolled_steps_match_chain_drafting_at_inference():
     """Step j of source t in the training layout == the j-th chain row drafting computes after
     true rows 0..t (teacher-forced ids), for every t and j."""

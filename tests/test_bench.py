@@ -13,7 +13,7 @@ from spd.bench.report import OVERALL
 from spd.cli import app
 from spd.target import Target
 
-METHODS = "ar,spd-n2,spd-n2+retrieval,ppsd-n2,ppsd-n4,eagle-k2,eagle-k2+retrieval"
+METHODS = "ar,spd-n2,spd-n2+retrieval,ppsd-n2,ppsd-n4,eagle-k2,eagle-k2+retrieval,eagle-tree-b4"
 NEW = 10
 
 
@@ -65,11 +65,18 @@ def recompute(records, methods):
                 cost = sum(r["cycles"] * (1 / r["n"] + c) for r in mine)
             else:
                 cost = sum(r["target_forwards"] + c * r["draft_forwards"] for r in mine)
+            measured = cost
+            if kind == "eagle":   # each forward of T tokens at 1 + (T - 1) / (T_full - 1) * (v - 1)
+                v = methods[method]["verify_cost"]
+                slope = (v["fraction"] - 1) / (v["tokens"] - 1)
+                measured = sum(n * (1 + slope * (int(t) - 1)) for r in mine for t, n in r["verify_sizes"].items())
+                measured += sum(c * r["draft_forwards"] for r in mine)
             tps = dec / sum(r["decode_seconds"] for r in mine)
             ar_tps = sum(r["new_tokens"] - 1 for r in ar) / sum(r["decode_seconds"] for r in ar)
             verified = sum(r["verified"] for r in mine)
             rows[(method, t)] = {
                 "new_tokens": sum(r["new_tokens"] for r in mine), "theoretical_speedup": dec / cost,
+                "measured_cost_speedup": dec / measured,
                 "tokens_per_second": tps, "wall_clock_ratio": tps / ar_tps,
                 "per_draft_acceptance": sum(r["accepted"] for r in mine) / verified if verified else None}
     return rows
@@ -80,7 +87,7 @@ def test_bench_run_writes_records_summary_and_plots(tmp_path, evals, model_dir):
     result = run_bench(config(out, evals, model_dir))
     assert result.greedy_mismatches == 0
     records = read_records(out / "per_prompt.jsonl")
-    assert len(records) == 5 * 2 * 7 == result.records == result.new_records  # prompts x T x methods
+    assert len(records) == 5 * 2 * 8 == result.records == result.new_records  # prompts x T x methods
     greedy = [r for r in records if r["temperature"] == 0 and r["kind"] != "ar"]
     assert greedy and all(r["matches_ar"] is True for r in greedy)
     assert all(r["new_tokens"] == NEW for r in records)
@@ -90,6 +97,11 @@ def test_bench_run_writes_records_summary_and_plots(tmp_path, evals, model_dir):
             assert len(r["verified_by_position"]) == r["n"]
         if r["kind"] == "eagle":
             assert r["new_tokens"] - 1 == r["target_forwards"] + r["accepted"]
+            assert sum(r["verify_sizes"].values()) == r["target_forwards"]
+            assert r["draft_tokens"] == sum((int(t) - 1) * n for t, n in r["verify_sizes"].items())
+        if r["method"] == "eagle-tree-b4":   # budget 4: depth 4, top-k 4; 5-token forwards but the last
+            assert r["tree"] == {"budget": 4, "depth": 4, "top_k": 4} and r["k"] is None
+            assert max(int(t) for t in r["verify_sizes"]) == 5 and len(r["verified_by_position"]) == 4
         if r["kind"] != "ar":   # every verified draft is counted under its source
             by_source = r["drafts_by_source"]
             assert sum(v for v, _ in by_source.values()) == r["verified"]
@@ -103,6 +115,8 @@ def test_bench_run_writes_records_summary_and_plots(tmp_path, evals, model_dir):
     assert set(run["methods"]) == set(METHODS.split(","))
     assert {m for m, info in run["methods"].items() if "retrieval_ms" in info} == {"spd-n2+retrieval", "eagle-k2+retrieval"}
     assert {r["dataset"] for r in rows} == {"alpha", "beta", OVERALL}
+    assert run["methods"]["eagle-tree-b4"]["verify_cost"]["tokens"] == 5
+    assert run["methods"]["eagle-k2"]["verify_cost"]["tokens"] == 3 and "verify_cost" not in run["methods"]["spd-n2"]
     expected = recompute(records, run["methods"])
     for row in rows:
         if row["dataset"] != OVERALL:
@@ -120,6 +134,7 @@ def test_bench_run_writes_records_summary_and_plots(tmp_path, evals, model_dir):
         assert sum(p["prompts"] for p in parts) == whole["prompts"] == 5
     md = (out / "summary.md").read_text()
     assert "| spd-n2 (untrained) | overall | 0 |" in md and "theoretical / wall-clock" in md
+    assert "| eagle-tree-b4 (untrained) | overall | 0 |" in md and "speedup at measured verify cost" in md
     for png in ("speedup_vs_n.png", "acceptance_by_position.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -153,9 +168,20 @@ def test_cost_model_and_method_names():
     assert MethodSpec.parse("eagle-k3") == MethodSpec("eagle", k=3)
     assert MethodSpec.parse("spd-n4+retrieval") == MethodSpec("spd", n=4, retrieval=True)
     assert MethodSpec.parse("eagle-k5+retrieval").name == "eagle-k5+retrieval"
-    for bad in ("spd", "spd-n0", "eagle-3", "medusa", "ppsd-n2+retrieval", "ar+retrieval"):
+    for bad in ("spd", "spd-n0", "eagle-3", "medusa", "ppsd-n2+retrieval", "ar+retrieval", "eagle-tree-4",
+                "eagle-tree-b4+retrieval", "eagle-tree-b4-k2-d3"):
         with pytest.raises(ValueError, match="unknown method"):
             MethodSpec.parse(bad)
+    tree = MethodSpec.parse("eagle-tree-b16")
+    assert (tree.kind, tree.tree.budget, tree.tree.depth, tree.tree.top_k, tree.verify_tokens) == ("eagle", 16, 6, 8, 17)
+    assert MethodSpec.parse("eagle-tree-b16-d3-k4").name == "eagle-tree-b16-d3-k4"
+    assert MethodSpec.parse("eagle-tree-b16-d6-k8").name == "eagle-tree-b16"   # the defaults are left out
+    with pytest.raises(ValueError, match="must be >= 1"):
+        MethodSpec.parse("eagle-tree-b0")
+    # measured cost: a 5-token forward at v=2.0, a 3-token one interpolated at 1.5, draft calls as before
+    record = {"kind": "eagle", "target_forwards": 3, "draft_forwards": 10, "verify_sizes": {"5": 2, "3": 1}}
+    assert costs.measured_decode_cost(record, 0.1, {"tokens": 5, "fraction": 2.0}) == pytest.approx(2 * 2 + 1.5 + 1)
+    assert costs.measured_decode_cost({**record, "kind": "ar"}, 0.1, None) == 3
     with pytest.raises(ValueError, match="twice"):
         parse_methods("spd-n2,spd-n2")
 

@@ -34,7 +34,8 @@ from .sampling import probs
 
 GATE_FILE = "retrieval_gate.json"   # beside pdm_config.json in a PDM checkpoint folder
 # In a token tree, a retrieved candidate scores at least this probability by match length 1..8
-# (roughly how often a match of that length predicted the next token on training-like text).
+# (roughly how often a match of that length predicted the next token on training-like text);
+# a fitted gate's `accuracy` replaces it (`Gate.prior`).
 RETRIEVAL_PRIOR = (0.15, 0.3, 0.45, 0.55, 0.65, 0.7, 0.75, 0.8)
 
 
@@ -117,18 +118,29 @@ class Gate:
     For a match of length L (capped at `max_len`), retrieval wins when L >= `min_len` and the
     PDM's top-1 probability is below `threshold[L-1]`; a threshold above 1 means retrieval always
     wins at that length, so the PDM forward is skipped there. Fitted by `fit_gate` on training
-    conversations; `Gate()` serves checkpoints saved without one.
+    conversations; `Gate()` serves checkpoints saved without one. `accuracy[L-1]` is how often a
+    retrieved token of match length L was right there where the PDM's top-1 was another token:
+    in a token tree the retrieved candidate scores at least that (`prior`).
     """
 
     min_len: int = 2
     max_len: int = 8
     threshold: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.8, 0.9, 1.01, 1.01, 1.01, 1.01])
     fitted_on: str = "default (not fitted)"
+    accuracy: list[float] | None = None
 
     def __post_init__(self):
         if not 1 <= self.min_len <= self.max_len or len(self.threshold) != self.max_len:
             raise ValueError(f"gate needs 1 <= min_len <= max_len and max_len thresholds; got "
                              f"min_len={self.min_len}, max_len={self.max_len}, {len(self.threshold)} thresholds")
+        if self.accuracy is not None and (len(self.accuracy) != self.max_len or not all(0 <= a <= 1 for a in self.accuracy)):
+            raise ValueError(f"gate accuracy needs max_len={self.max_len} values in [0, 1]; got {self.accuracy}")
+
+    def prior(self, match_len: int) -> float:
+        """The least score of a retrieved candidate in a token tree, by its match length."""
+        if self.accuracy is None:
+            return retrieval_prior(match_len)
+        return self.accuracy[min(match_len, self.max_len) - 1]
 
     def skips_pdm(self, match_len: int) -> bool:
         return match_len >= self.min_len and self.threshold[min(match_len, self.max_len) - 1] > 1.0
@@ -219,13 +231,13 @@ class HybridDrafter:
         return int(torch.multinomial(q, 1, generator=gen)), q
 
     def candidates(self, state, params, gen, width):
-        """Per leaf of a token tree: its retrieved token (scored at least `retrieval_prior` of the
+        """Per leaf of a token tree: its retrieved token (scored at least the gate's prior for the
         match length), then the PDM's top-W; one batched PDM forward for all leaves."""
         out = []
         for leaf, logits in zip(state.leaves, self.pdm_drafter.tree_logits(state)):
             self.index.sync(state.path(leaf), state.root_position)
             retrieved, match_len = self.index.lookup()
-            extra = None if retrieved is None else (retrieved, retrieval_prior(match_len))
+            extra = None if retrieved is None else (retrieved, self.gate.prior(match_len))
             out.append(top_candidates(logits, params, width, "pdm", extra))
         return out
 

@@ -16,7 +16,9 @@ Drafting k tokens is autoregressive: after the first draft, the target's feature
 longest accepted prefix is kept, plus the target's own token after it (recovered or bonus);
 `KVCache.crop` drops the rest. Greedy or speculative sampling, lossless either way.
 
-This module knows the head and the chain loop; training lives in `train_heads`.
+This module knows the head, the decode loop (`decode_rounds`: prefill, rounds, budget, EOS; tree
+drafting in `eagle_tree` runs the same loop with its own round) and the chain round; training
+lives in `train_heads`.
 """
 
 from __future__ import annotations
@@ -135,6 +137,13 @@ class EagleStats:
     verified_by_position: list[int] = field(default_factory=list)   # index j: the (j+1)-th draft
     accepted_by_position: list[int] = field(default_factory=list)
     drafts_by_source: dict[str, list[int]] = field(default_factory=dict)   # head/retrieval -> [verified, accepted]
+    draft_tokens: int = 0          # drafts sent to the target (chain: up to k a round; tree: its nodes)
+    verify_sizes: dict[int, int] = field(default_factory=dict)   # tokens in a verification forward -> rounds
+
+    def count_forward(self, size: int) -> None:
+        """One verification forward over `size` tokens (x_c and size - 1 drafts)."""
+        self.draft_tokens += size - 1
+        self.verify_sizes[size] = self.verify_sizes.get(size, 0) + 1
 
     @property
     def per_draft_acceptance(self) -> float:
@@ -200,7 +209,107 @@ def accept_prefix(drafts: list[int], qs: list, logits: torch.Tensor, params: Sam
     return len(drafts), sample(logits[len(drafts)], params, gen)   # bonus token
 
 
+@dataclass
+class Decoding:
+    """One sequence between rounds, shared by chain and tree drafting (`spd.baselines.eagle_tree`).
+
+    tokens[c] (c = len(tokens) - 1) is the newest verified token: the target's cache holds
+    positions 0..c-1, the head's cache true-feature rows 0..start-1 (start <= c), features[t]
+    the target's (m, H) hidden states at the head's feature layers for every t < c."""
+
+    target: Target
+    head: EagleHead
+    params: SamplingParams
+    gen: torch.Generator
+    stats: EagleStats
+    tokens: list[int]
+    cache: KVCache
+    head_cache: KVCache
+    features: torch.Tensor
+
+    @property
+    def c(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def record(self) -> set[int]:
+        return set(self.head.feature_layers)
+
+    def keep(self, start: int, snapshots: dict, rows: list[int]) -> None:
+        """Features of the verification forward's `rows` become those of positions start, start+1, ..."""
+        index = torch.tensor(rows, device=self.features.device)
+        self.features[start:start + len(rows)] = torch.stack(
+            [snapshots[i][index] for i in self.head.feature_layers], 1)
+
+
 @torch.inference_mode()
+def decode_rounds(target: Target, head: EagleHead, prompt_ids: list[int], round_fn, params: SamplingParams,
+                  max_new_tokens: int, eos_token_ids, stats: EagleStats, slack: int) -> Iterator[int]:
+    """Prefill, then rounds until EOS or the budget; yields the new tokens.
+
+    `round_fn(decoding, room)` drafts at most `room` tokens, verifies them in ONE target forward
+    and leaves both caches and the features at the accepted path; it returns the tokens to emit
+    (accepted drafts, then the target's own). `slack`: feature rows past the budget a round's
+    forward may write (the chain writes its whole block)."""
+    assert len(prompt_ids) >= 1
+    stats.prompt_tokens = len(prompt_ids)
+    if max_new_tokens < 1:
+        return
+    device, eos = target.device, set(eos_token_ids)
+    features = torch.zeros(len(prompt_ids) + max_new_tokens + slack, len(head.feature_layers),
+                           target.hidden_size, device=device, dtype=target.dtype)
+    state = Decoding(target, head, params, params.generator(device), stats, list(prompt_ids),
+                     target.new_cache(keep=slack), KVCache([0]), features)
+    t0 = time.perf_counter()
+    last, snapshots = target.prefill(torch.tensor(prompt_ids, device=device), state.cache, state.record)
+    state.keep(0, snapshots, list(range(len(prompt_ids))))
+    state.tokens.append(sample(target.logits(last[0, -1]), params, state.gen))
+    stats.prefill_seconds, stats.new_tokens = time.perf_counter() - t0, 1
+    yield state.tokens[-1]
+    if state.tokens[-1] in eos or max_new_tokens == 1:
+        return
+    t_decode = time.perf_counter()
+    while True:
+        emitted = round_fn(state, max_new_tokens - stats.new_tokens - 1)   # no drafts past the budget
+        stats.rounds += 1
+        for new in emitted:
+            state.tokens.append(new)
+            stats.new_tokens += 1
+            stats.decode_seconds = time.perf_counter() - t_decode
+            yield new
+            if new in eos or stats.new_tokens >= max_new_tokens:
+                return
+
+
+def chain_round(state: Decoding, k: int, room: int, index: SuffixIndex | None, retrieval_min_len) -> list[int]:
+    """k (at most `room`) chain drafts, one causal target forward over [x_c, d_1..d_k], crop."""
+    target, stats, params, gen, tokens = state.target, state.stats, state.params, state.gen, state.tokens
+    c, device, n_draft = state.c, target.device, min(k, room)
+    t = time.perf_counter()
+    drafts, source = [], "head"
+    if index is not None and n_draft > 0:
+        index.sync(tokens, len(tokens) - 1)
+        if index.lookup()[1] >= retrieval_min_len:   # the head's forward is skipped this round
+            drafts, source = index.continuation(n_draft), "retrieval"
+            qs = [None] * len(drafts)
+    if not drafts:
+        drafts, qs = draft_chain(state.head, state.head_cache, tokens, state.features, c, n_draft, params, gen)
+        stats.draft_forwards += n_draft
+    stats.draft_seconds += time.perf_counter() - t
+    t = time.perf_counter()
+    block = torch.tensor([tokens[c]] + drafts, device=device)
+    positions = torch.arange(c, c + len(block), device=device)
+    hidden, snapshots = target.run_layers_stepwise(target.embed(block), positions, range(target.num_layers),
+                                                   state.cache, state.record)
+    n_acc, token = accept_prefix(drafts, qs, target.logits(hidden[0]), params, gen, stats, source)
+    state.cache.crop(c + n_acc + 1)                  # keep x_c and the accepted drafts
+    state.keep(c, snapshots, list(range(n_acc + 1)))
+    state.head_cache.crop(c)                         # rows on the head's own features are redone
+    stats.count_forward(len(block))
+    stats.verify_seconds += time.perf_counter() - t
+    return drafts[:n_acc] + [token]
+
+
 def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int = 5,
                  params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                  eos_token_ids=(), stats: EagleStats | None = None,
@@ -210,63 +319,14 @@ def eagle_stream(target: Target, head: EagleHead, prompt_ids: list[int], k: int 
     retrieval_min_len: when the sequence's newest suffix of at least this many tokens occurred
     before (`spd.retrieval.SuffixIndex`), the chain is the tokens that followed it (point
     masses, SAM-Decoding style) instead of the head's; None drafts with the head only."""
-    assert k >= 1 and len(prompt_ids) >= 1
+    assert k >= 1
     stats = stats if stats is not None else EagleStats(k)
-    stats.k, stats.prompt_tokens = k, len(prompt_ids)
+    stats.k = k
     stats.verified_by_position, stats.accepted_by_position = [0] * k, [0] * k
-    if max_new_tokens < 1:
-        return
-    device, eos, L = target.device, set(eos_token_ids), target.num_layers
-    gen = params.generator(device)
-    record = set(head.feature_layers)
-    cache, head_cache = target.new_cache(keep=k + 2), KVCache([0])   # recurrent: a state per verified position
-    features = torch.zeros(len(prompt_ids) + max_new_tokens + k + 2, len(record), target.hidden_size,
-                           device=device, dtype=target.dtype)
-
-    def keep(start: int, snapshots: dict, count: int) -> None:
-        features[start:start + count] = torch.stack([snapshots[i][:count] for i in head.feature_layers], 1)
-
-    t0 = time.perf_counter()
-    last, snapshots = target.prefill(torch.tensor(prompt_ids, device=device), cache, record)
-    keep(0, snapshots, len(prompt_ids))
-    tokens = list(prompt_ids) + [sample(target.logits(last[0, -1]), params, gen)]
-    stats.prefill_seconds, stats.new_tokens = time.perf_counter() - t0, 1
-    yield tokens[-1]
-    if tokens[-1] in eos or max_new_tokens == 1:
-        return
     index = SuffixIndex() if retrieval_min_len is not None else None
-    t_decode = time.perf_counter()
-    while True:
-        c = len(tokens) - 1                        # newest verified token, not yet through the target
-        n_draft = min(k, max_new_tokens - stats.new_tokens - 1)   # no drafts past the budget
-        t = time.perf_counter()
-        drafts, source = [], "head"
-        if index is not None and n_draft > 0:
-            index.sync(tokens, len(tokens) - 1)
-            if index.lookup()[1] >= retrieval_min_len:   # the head's forward is skipped this round
-                drafts, source = index.continuation(n_draft), "retrieval"
-                qs = [None] * len(drafts)
-        if not drafts:
-            drafts, qs = draft_chain(head, head_cache, tokens, features, c, n_draft, params, gen)
-            stats.draft_forwards += n_draft
-        stats.draft_seconds += time.perf_counter() - t
-        t = time.perf_counter()
-        block = torch.tensor([tokens[c]] + drafts, device=device)
-        positions = torch.arange(c, c + len(block), device=device)
-        hidden, snapshots = target.run_layers_stepwise(target.embed(block), positions, range(L), cache, record)
-        n_acc, token = accept_prefix(drafts, qs, target.logits(hidden[0]), params, gen, stats, source)
-        cache.crop(c + n_acc + 1)                  # keep x_c and the accepted drafts
-        keep(c, snapshots, n_acc + 1)
-        head_cache.crop(c)                         # rows on the head's own features are redone
-        stats.rounds += 1
-        stats.verify_seconds += time.perf_counter() - t
-        for new in drafts[:n_acc] + [token]:
-            tokens.append(new)
-            stats.new_tokens += 1
-            stats.decode_seconds = time.perf_counter() - t_decode
-            yield new
-            if new in eos or stats.new_tokens >= max_new_tokens:
-                return
+    step = lambda state, room: chain_round(state, k, room, index, retrieval_min_len)  # noqa: E731
+    # recurrent targets: a state per verified position, so k + 2 kept states
+    return decode_rounds(target, head, prompt_ids, step, params, max_new_tokens, eos_token_ids, stats, k + 2)
 
 
 def eagle_generate(target: Target, head: EagleHead, prompt_ids: list[int], k: int = 5,

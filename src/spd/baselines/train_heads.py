@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +33,7 @@ from ..target import attention_mask, split_layers
 from ..train.data import plan_batches, split_eval
 from ..train.loop import TrainConfig, TrainSummary, lr_at, prepare_data
 from ..train.objective import DistillStats, distill, teacher_head, teacher_logits, vocab_index
-from ..train.session import StopSignal
+from ..train.session import STATE, StopSignal, load_state, save_state
 from .eagle import EagleHead
 from .heads import save_head
 from .ppsd import PPSDHead
@@ -58,6 +58,12 @@ def build_head(target, cfg: TrainConfig, method: str, feature_layers=None):
     else:
         raise ValueError(f"unknown head method {method!r}; use one of {', '.join(METHODS)} (or train a PDM)")
     return head.float()
+
+
+def saved_method(out) -> str | None:
+    """The head a run folder trains ("eagle" / "ppsd"), None for a PDM run or no run."""
+    path = Path(out) / STATE
+    return torch.load(path, map_location="cpu", weights_only=True).get("method") if path.is_file() else None
 
 
 def head_anchors(head) -> list[int]:
@@ -143,24 +149,38 @@ def eagle_loss(head, target, batch, ids, teacher, index, temperature, steps: int
 
 def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_steps: int = 2,
                feature_layers=None, train_lm_head: bool = False) -> TrainSummary:
-    """Train an EAGLE-style or PPSD head as configured; writes a head checkpoint to cfg.out."""
-    if cfg.resume:
-        raise ValueError("head training does not resume; it is short (train again into a new --out)")
+    """Train an EAGLE-style or PPSD head as configured; writes a head checkpoint to cfg.out.
+
+    The training state (head, optimizer, step, place in the epoch) is saved every
+    `cfg.save_every` steps, on Ctrl-C / SIGTERM and at `cfg.stop_after`; `cfg.resume` continues
+    it exactly (the same batches in the same order)."""
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     out = Path(cfg.out)
+    has_state = (out / STATE).is_file()
+    if has_state and not cfg.resume:
+        raise FileExistsError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
+    if cfg.resume and not has_state:
+        raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
+    state = load_state(out, cfg) if cfg.resume else {}
+    if state and state.get("method") != method:
+        raise ValueError(f"--resume: {out} trains a {state.get('method')} head, not {method}; pass --method {state.get('method')}")
     if target is None:
         from ..loading import parse_dtype
         from ..target import load_target
         target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), cfg.device)
     head = build_head(target, cfg, method, feature_layers)
     head.lm_head.requires_grad_(train_lm_head)
+    if state:
+        head.load_state_dict(state["head"])
     tokens, loader = prepare_data(cfg, target, tokenizer, head_anchors(head))
     train_idx, eval_idx = split_eval(len(tokens), cfg.eval_fraction, cfg.seed)
     per_epoch = len(plan_batches(train_idx, tokens.lengths, cfg.batch_tokens, seed=cfg.seed * 100003))
     total = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * per_epoch / cfg.grad_accum))
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
     adapter = SimpleNamespace(config=head.config, draft_ids=head.lm_head.draft_ids)
     teacher, index = teacher_head(target, adapter), vocab_index(adapter, target.vocab_size)
 
@@ -171,16 +191,27 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
             return eagle_loss(head, target, batch, ids, teacher, index, cfg.temperature, ttt_steps) + (batch.tokens,)
         return ppsd_loss(head, target, batch, ids, teacher, index, cfg.temperature) + (batch.tokens,)
 
+    def epoch_batches(epoch: int) -> list:
+        return plan_batches(train_idx, tokens.lengths, cfg.batch_tokens, seed=cfg.seed * 100003 + epoch)
+
     out.mkdir(parents=True, exist_ok=True)
-    summary = TrainSummary(str(out), 0, total)
-    log.info("training a %s head for %s: %d train / %d eval sequences, %d steps", method, cfg.model,
-             len(train_idx), len(eval_idx), total)
+    step, epoch = state.get("step", 0), state.get("epoch", -1)
+    batches = epoch_batches(epoch)[:state["batches_left"]] if state else []   # popped from the end
+    summary = TrainSummary(str(out), step, total, tokens=state.get("tokens", 0), seconds=state.get("seconds", 0.0))
+    end = min(total, step + cfg.stop_after) if cfg.stop_after else total
+    log.info("training a %s head for %s: %d train / %d eval sequences, steps %d..%d of %d", method, cfg.model,
+             len(train_idx), len(eval_idx), step, end, total)
+
+    def save() -> None:
+        save_state(out, {"method": method, "step": step, "epoch": epoch, "batches_left": len(batches),
+                         "head": head.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(cfg),
+                         "tokens": summary.tokens, "seconds": summary.seconds})
+
     from tqdm.auto import tqdm  # progress bar over steps (core dependency)
-    bar = tqdm(total=total, desc=f"train {method}", unit="step", disable=not cfg.progress, dynamic_ncols=True)
-    t0, step, window = time.perf_counter(), 0, DistillStats()
-    epoch, batches = -1, []
+    bar = tqdm(total=total, initial=step, desc=f"train {method}", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    t0, seconds_before, window = time.perf_counter(), summary.seconds, DistillStats()
     with StopSignal() as stop:
-        while step < total and not stop.reason:
+        while step < end and not stop.reason:
             head.train()
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg, total)
@@ -188,7 +219,7 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
             for _ in range(cfg.grad_accum):
                 if not batches:
                     epoch += 1  # epochs differ a little in length: count them, don't divide
-                    batches = plan_batches(train_idx, tokens.lengths, cfg.batch_tokens, seed=cfg.seed * 100003 + epoch)
+                    batches = epoch_batches(epoch)
                 loss, stats, n_tokens = loss_of(batches.pop())
                 loss.backward()
                 counted += stats[0].in_vocab
@@ -202,14 +233,16 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            summary.seconds = time.perf_counter() - t0
+            summary.seconds = seconds_before + time.perf_counter() - t0
             bar.update(1)
             bar.set_postfix(loss=f"{window.loss:.3f}", agree=f"{window.agreement:.3f}")
             if step % cfg.log_every == 0 or step == total:
                 summary.train_loss, summary.train_agreement = window.loss, window.agreement
                 _log(out, {"step": step, "loss": window.loss, "agreement": window.agreement})
                 window = DistillStats()
-        summary.interrupted = stop.reason
+            if stop.reason or step == end or (cfg.save_every and step % cfg.save_every == 0):
+                save()
+        summary.interrupted = stop.reason or None
     bar.close()
     summary.step = step
     summary.eval = evaluate(head, eval_idx, tokens, cfg, loss_of, method)

@@ -12,7 +12,8 @@ def bench_run(
                                       "run again with the same folder to resume."),
     model: str = typer.Option("default", help="Target model folder, hub id, or 'default' (SmolLM2-135M-Instruct)."),
     methods: str = typer.Option("ar,spd-n2,spd-n4,ppsd-n4,eagle-k3,eagle-k5",
-                                help="Comma-separated: ar, spd-n<N>, ppsd-n<N>, eagle-k<K> (AR always runs)."),
+                                help="Comma-separated: ar, spd-n<N>, ppsd-n<N>, eagle-k<K>, eagle-tree-b<B> "
+                                     "(AR always runs)."),
     datasets: str = typer.Option("mt_bench,gsm8k,humaneval", help="Folders under --eval-dir holding question.jsonl ('' for none)."),
     eval_dir: Optional[str] = typer.Option(None, help="Folder of the datasets (default $SPD_EVAL_DATA, else ../shared/eval_data)."),
     data: List[str] = typer.Option([], help="Another question file (EAGLE format); repeat for several."),
@@ -24,7 +25,7 @@ def bench_run(
                                            "Default: the shipped one, else a random PDM."),
     ppsd: List[str] = typer.Option([], help="PPSD head for ppsd-n<N> (matched by its n); repeat per n. "
                                             "Default: the target's own early exit."),
-    eagle: Optional[str] = typer.Option(None, help="EAGLE-style head for every eagle-k<K> (default: a random head)."),
+    eagle: Optional[str] = typer.Option(None, help="EAGLE-style head for every eagle-k<K> and eagle-tree-b<B> (default: a random head)."),
     seed: int = typer.Option(0, help="Base seed of the per-prompt sampling seeds."),
     cost_context: int = typer.Option(256, min=1, help="Cached positions when timing draft vs target forwards."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),

@@ -8,12 +8,18 @@ Unit: one full forward of the target for one new token (all L layers + lm_head) 
 | SPD (n stages) | one cycle: every stage runs one token; the PDM drafts concurrently | max(1/n, c_draft) |
 | PPSD (n stages) | one cycle; the early-exit head runs after stage 1 (serial) | 1/n + c_draft |
 | EAGLE-style (k) | one round: k draft forwards, then one target forward over k+1 tokens | 1 + k * c_draft |
+| EAGLE-style tree (B) | one round: `depth` head forwards, then one target forward over B+1 tokens | 1 + depth * c_draft |
 
 c_draft is a draft forward's measured fraction of a target forward (`draft_fraction`: the
 median time of one steady-state draft call over the median time of one single-token target
-forward, the two called in turn, same machine, same context length). A target forward over
-k+1 positions counts as 1 (memory-bound decoding); on a CPU it is slower, which the
-wall-clock numbers show.
+forward, the two called in turn, same machine, same context length; for a tree, the mean of
+one head forward within a whole tree draft: 1 row, then top_k-row forwards). A target forward
+over k+1 (or B+1) positions counts as 1 (memory-bound decoding on a GPU).
+
+The second, *measured* cost prices that forward at v_T, its measured time over a 1-token
+forward on this machine (`verify_fraction`; v_1 = 1; a round of fewer tokens, near the end of
+the budget, at v interpolated linearly between 1 and T). SPD / PPSD with one candidate per level
+run one token per stage, so both costs agree there; tree SPD (W > 1) has no measured cost yet.
 
 theoretical speedup = decode tokens / decode cost, decode tokens = new tokens - 1 (the prefill
 gives the first token for every method), so AR is exactly 1.
@@ -55,6 +61,21 @@ def decode_cost(record: dict, draft_fraction: float) -> float:
     if kind == "eagle":
         return record["target_forwards"] + record["draft_forwards"] * draft_fraction
     raise ValueError(f"unknown method kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def measured_decode_cost(record: dict, draft_fraction: float, verify: dict | None) -> float | None:
+    """Decode cost with each verification forward priced at its measured v_T (see the module
+    docstring); `verify` = {"tokens": T, "fraction": v_T} from `verify_fraction`. None where the
+    method has no measured cost (tree SPD)."""
+    kind = record["kind"]
+    if kind in ("ar", "ppsd") or (kind == "spd" and (record.get("tree_width") or 1) == 1):
+        return decode_cost(record, draft_fraction)
+    if kind != "eagle" or verify is None or not record.get("verify_sizes"):
+        return None
+    tokens, fraction = verify["tokens"], verify["fraction"]
+    slope = (fraction - 1.0) / (tokens - 1) if tokens > 1 else 0.0
+    forwards = sum(count * (1.0 + slope * (int(size) - 1)) for size, count in record["verify_sizes"].items())
+    return forwards + record["draft_forwards"] * draft_fraction
 
 
 def interleaved_medians(fns, reps: int = 15, warmup: int = 3) -> list[float]:
@@ -130,13 +151,87 @@ def eagle_draft_step(target: Target, head, context: int):
     return step
 
 
+@torch.inference_mode()
+def verify_step(target: Target, context: int, tokens: int):
+    """A callable running `tokens` new positions (causal mask) through every layer and the lm_head
+    after `context` cached positions: a verification forward of a chain or tree of that size."""
+    device = target.device
+    cache = target.new_cache(keep=2)
+    target.prefill(torch.zeros(context, dtype=torch.long, device=device), cache)
+    block = torch.zeros(tokens, dtype=torch.long, device=device)
+    positions = torch.arange(context, context + tokens, device=device)
+
+    @torch.inference_mode()
+    def step():
+        hidden, _ = target.run_layers(target.embed(block), positions, range(target.num_layers), cache)
+        target.logits(hidden[0]).argmax(-1).tolist()
+        cache.crop(context)
+    return step
+
+
+def verify_fraction(target: Target, context: int, tokens: int, reps: int = 15) -> tuple[float, float, float]:
+    """(v_T, seconds of a T-token forward, seconds of a 1-token forward), interleaved medians."""
+    many, one = interleaved_medians([verify_step(target, context, tokens), target_step(target, context)], reps)
+    return measure_fraction(many, one), many, one
+
+
+@torch.inference_mode()
+def head_rows_step(target: Target, head, context: int, rows: int):
+    """A callable running one head forward of `rows` tree rows (each seeing the cached rows and
+    itself) on a head cache of `context` rows, then its lm_head: a tree draft's per-depth work."""
+    device = target.device
+    cache = KVCache([0])
+    feature = torch.randn(1, context + rows, target.hidden_size, generator=torch.Generator().manual_seed(0))
+    feature = feature.to(device=device, dtype=target.dtype)
+    ids = torch.zeros(1, context + rows, dtype=torch.long, device=device)
+    positions = torch.arange(context, device=device)
+    head(ids[:, :context], feature[:, :context], positions, attention_mask(positions, context, feature.dtype), cache)
+    row_positions = torch.full((rows,), context, device=device)
+    allowed = torch.cat([torch.ones(rows, context, dtype=torch.bool), torch.eye(rows, dtype=torch.bool)], 1)
+    mask = torch.zeros(allowed.shape, dtype=feature.dtype).masked_fill(~allowed, torch.finfo(feature.dtype).min)
+    mask = mask.to(device)[None, None]
+
+    @torch.inference_mode()
+    def step():
+        out = head(ids[:, context:], feature[:, context:], row_positions, mask, cache)
+        head.logits(out[0]).argmax(-1).tolist()
+        cache.crop(context)
+    return step
+
+
+@torch.inference_mode()
+def eagle_tree_draft_step(target: Target, head, options, context: int):
+    """A callable drafting one whole tree (`spd.baselines.eagle_tree.draft_tree`, greedy scores)
+    on a head cache of `context` true rows, random features; `.calls` head forwards per call."""
+    from ..baselines.eagle_tree import draft_tree
+
+    device = target.device
+    cache = KVCache([0])
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(context + 1, len(head.feature_layers), target.hidden_size, generator=gen)
+    features = features.to(device=device, dtype=target.dtype)
+    tokens = torch.randint(0, target.vocab_size, (context + 2,), generator=gen).tolist()
+    params = SamplingParams()
+    draft_tree(head, cache, tokens, features, context, options, params)   # fills rows 0..context-1
+    cache.crop(context - 1)
+
+    @torch.inference_mode()
+    def step():
+        draft_tree(head, cache, tokens, features, context, options, params)
+        cache.crop(context - 1)
+    step.calls = options.depth
+    return step
+
+
 def target_forward_seconds(target: Target, context: int, reps: int = 15) -> float:
     return median_seconds(target_step(target, context), reps)
 
 
 def draft_fraction(target: Target, draft_step, context: int, reps: int = 21) -> tuple[float, float, float]:
-    """(c_draft, draft seconds, target seconds): medians of interleaved draft and target steps."""
+    """(c_draft, draft seconds, target seconds): medians of interleaved draft and target steps;
+    a step that makes several draft forwards (`step.calls`, a tree draft) is divided by them."""
     draft_s, target_s = interleaved_medians([draft_step, target_step(target, context)], reps)
+    draft_s /= getattr(draft_step, "calls", 1)
     return measure_fraction(draft_s, target_s), draft_s, target_s
 
 

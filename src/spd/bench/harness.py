@@ -233,7 +233,9 @@ def _record(spec: MethodSpec, prompt: Prompt, temperature: float, ids, fields: d
     matches = None
     if temperature == 0 and spec.kind != "ar" and ref is not None:
         matches = tokens == ref
-    return {"method": spec.name, "kind": spec.kind, "n": spec.n, "k": spec.k,
+    tree = None if spec.tree is None else {"budget": spec.tree.budget, "depth": spec.tree.depth,
+                                           "top_k": spec.tree.top_k}
+    return {"method": spec.name, "kind": spec.kind, "n": spec.n, "k": spec.k, "tree": tree,
             "dataset": prompt.dataset, "question_id": prompt.question_id, "temperature": float(temperature),
             "prompt_tokens": len(ids), "new_tokens": len(tokens), "decode_tokens": max(0, len(tokens) - 1),
             **fields, "matches_ar": matches, "untrained": runner.untrained}
@@ -259,6 +261,11 @@ def _measure_costs(run: dict, runners: dict, target, context: int, out: Path) ->
             info.update(draft_fraction=fraction, draft_seconds=draft_s, target_seconds=target_s)
             log.info("%s: draft forward %.2f ms = %.3f of a target forward (%.2f ms)", name, 1e3 * draft_s,
                      fraction, 1e3 * target_s)
+        tokens = runner.spec.verify_tokens
+        if tokens is not None:   # the verification forward's measured price (the second cost column)
+            v, many_s, one_s = costs.verify_fraction(target, run["cost_context"], tokens)
+            info["verify_cost"] = {"tokens": tokens, "fraction": v, "seconds": many_s, "one_token_seconds": one_s}
+            log.info("%s: a %d-token target forward costs %.2f of a 1-token one", name, tokens, v)
         if runner.spec.retrieval:   # the lookup + gate part of a draft, at 4k tokens of context
             info["retrieval_ms"] = 1e3 * costs.median_seconds(costs.retrieval_step(4096, runner.spec.n or 1), 201)
         run["methods"][name] = info

@@ -1,7 +1,8 @@
 """The methods a benchmark compares, by name, each turned into one per-prompt record.
 
 Names: `ar`, `spd-n<N>`, `ppsd-n<N>`, `eagle-k<K>`; `spd-n<N>-w<W>` is tree SPD keeping W candidates
-per pipeline level (`spd.tree`); `spd-n<N>+retrieval` is SPD with the hybrid
+per pipeline level (`spd.tree`); `eagle-tree-b<B>` is EAGLE-2-style tree drafting with a budget of B
+draft nodes (`spd.baselines.eagle_tree`; `-d<D>` / `-k<K>` after it set the depth and top-k); `spd-n<N>+retrieval` is SPD with the hybrid
 drafter (`spd.retrieval`), `eagle-k<K>+retrieval` drafts a retrieved chain when the sequence's
 suffix matches earlier text (at least EAGLE_RETRIEVAL_MIN_LEN tokens), else the head's chain. A method runs on the shared target with
 spd's own cache and sampling code and returns the fields the report needs (same names for
@@ -9,10 +10,11 @@ every method; a field a method has no notion of is None):
 
     tokens, cycles, target_forwards, draft_forwards, verified, accepted,
     verified_by_position, accepted_by_position, drafts_by_source, prefill_seconds, decode_seconds,
-    draft_seconds
+    draft_seconds, draft_tokens, verify_sizes
 
 "position" is where a draft sat: for SPD / PPSD the pipeline fill when it was drafted
-(1..n, n = steady state), for EAGLE-style drafting its index in the chain (1..k).
+(1..n, n = steady state), for EAGLE-style drafting its index in the chain (1..k) or its depth in
+the tree.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from ..baselines.ar import ar_generate
 from ..baselines.eagle import EagleHead, eagle_generate
+from ..baselines.eagle_tree import TreeOptions, eagle_tree_generate
 from ..baselines.heads import load_head, read_head_config
 from ..baselines.ppsd import PPSDDrafter, PPSDHead, PPSDConfig
 from ..checkpoint import load_pdm, read_config
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(ar)$|^(spd|ppsd)-n(\d+)$|^(eagle)-k(\d+)$")
 _WIDTH = re.compile(r"^(spd-n\d+)-w(\d+)")   # spd-n4-w4 -> spd-n4, width 4
+_TREE = re.compile(r"^eagle-tree-b(\d+)(?:-d(\d+))?(?:-k(\d+))?$")   # eagle-tree-b16[-d6][-k8]
 RETRIEVAL = "+retrieval"    # suffix: spd-n<N>+retrieval (the hybrid drafter), eagle-k<K>+retrieval
 EAGLE_RETRIEVAL_MIN_LEN = 3  # a retrieved chain replaces the head's from a match this long (SAM-Decoding style)
 
@@ -52,11 +56,23 @@ class MethodSpec:
     k: int | None = None       # drafts per round (eagle)
     retrieval: bool = False    # drafts from the sequence itself beside the PDM / head
     width: int = 1             # tree SPD: candidates kept per pipeline level (spd only)
+    tree: TreeOptions | None = None   # eagle only: tree drafting with this budget / depth / top-k
+
+    @property
+    def verify_tokens(self) -> int | None:
+        """Tokens in a full verification forward (eagle: k + 1 or B + 1), else None."""
+        if self.kind != "eagle":
+            return None
+        return self.tree.budget + 1 if self.tree is not None else self.k + 1
 
     @property
     def name(self) -> str:
         if self.kind == "ar":
             return "ar"
+        if self.tree is not None:
+            t, default = self.tree, TreeOptions(self.tree.budget)
+            return (f"eagle-tree-b{t.budget}" + (f"-d{t.depth}" if t.depth != default.depth else "")
+                    + (f"-k{t.top_k}" if t.top_k != default.top_k else ""))
         base = f"{self.kind}-n{self.n}" if self.kind in ("spd", "ppsd") else f"eagle-k{self.k}"
         base += f"-w{self.width}" if self.width > 1 else ""
         return base + (RETRIEVAL if self.retrieval else "")
@@ -64,6 +80,12 @@ class MethodSpec:
     @classmethod
     def parse(cls, name: str) -> "MethodSpec":
         name = name.strip()
+        tree = _TREE.match(name)
+        if tree:
+            budget, depth, top_k = (int(g or 0) for g in tree.groups())
+            if budget < 1 or (tree.group(2) and depth < 1) or (tree.group(3) and top_k < 1):
+                raise ValueError(f"{name!r}: tree budget, depth and top-k must be >= 1 (e.g. eagle-tree-b16-d6-k8)")
+            return cls("eagle", tree=TreeOptions(budget, depth, top_k))
         retrieval = name.endswith(RETRIEVAL)
         width = _WIDTH.match(name)
         if width:
@@ -72,7 +94,8 @@ class MethodSpec:
         if (not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(5) and int(m.group(5)) < 1)
                 or (retrieval and not (m.group(2) == "spd" or m.group(4)))
                 or (width and (int(width.group(2)) < 1 or m.group(2) != "spd"))):
-            raise ValueError(f"unknown method {name!r}: use ar, spd-n<N>, spd-n<N>-w<W>, ppsd-n<N> or eagle-k<K>, and "
+            raise ValueError(f"unknown method {name!r}: use ar, spd-n<N>, spd-n<N>-w<W>, ppsd-n<N>, eagle-k<K> or "
+                             f"eagle-tree-b<B> (optionally -d<depth>-k<top-k>), and "
                              f"spd-n<N>+retrieval or eagle-k<K>+retrieval for drafting with retrieval beside "
                              f"them (e.g. ar,spd-n2,spd-n2+retrieval,ppsd-n4,eagle-k3,eagle-k5+retrieval)")
         if m.group(1):
@@ -111,7 +134,9 @@ class Runner:
         return self._probe(context) if self._probe is not None else None
 
     def info(self) -> dict:
+        tree = self.spec.tree
         return {"kind": self.spec.kind, "n": self.spec.n, "k": self.spec.k,
+                "tree": None if tree is None else {"budget": tree.budget, "depth": tree.depth, "top_k": tree.top_k},
                 "checkpoint": self.checkpoint, "untrained": self.untrained}
 
 
@@ -149,20 +174,25 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
     if spec.kind == "eagle":
         head = load_head(eagle, target, "eagle") if eagle else None
         if head is None:
-            log.warning("eagle-k%d: no --eagle head given: a random head (almost every draft rejected)", spec.k)
+            log.warning("%s: no --eagle head given: a random head (almost every draft rejected)", spec.name)
             head = EagleHead.create(target).eval()
 
         def decode(prompt, params, max_new, eos):
-            tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos,
-                                       EAGLE_RETRIEVAL_MIN_LEN if spec.retrieval else None)
+            if spec.tree is not None:
+                tokens, s = eagle_tree_generate(target, head, prompt, spec.tree, params, max_new, eos)
+            else:
+                tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos,
+                                           EAGLE_RETRIEVAL_MIN_LEN if spec.retrieval else None)
             return {"tokens": tokens, "cycles": None, "target_forwards": s.rounds,
                     "draft_forwards": s.draft_forwards, "verified": s.verified, "accepted": s.accepted,
                     "drafts_by_source": s.drafts_by_source,
                     "verified_by_position": s.verified_by_position, "accepted_by_position": s.accepted_by_position,
                     "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
-                    "draft_seconds": s.draft_seconds}
-        return Runner(spec, target, eagle, eagle is None, decode,
-                      lambda context: costs.eagle_draft_step(target, head, context))
+                    "draft_seconds": s.draft_seconds, "draft_tokens": s.draft_tokens,
+                    "verify_sizes": s.verify_sizes}
+        probe = (lambda context: costs.eagle_tree_draft_step(target, head, spec.tree, context)) if spec.tree \
+            else (lambda context: costs.eagle_draft_step(target, head, context))
+        return Runner(spec, target, eagle, eagle is None, decode, probe)
 
     n = spec.n
     if spec.kind == "spd":

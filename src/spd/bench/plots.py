@@ -37,10 +37,10 @@ def plot_speedup_vs_n(rows: list[dict], path: Path) -> Path:
             if pts:
                 ax.plot(*zip(*pts), style, marker=marker, color=color, label=f"{kind.upper()} T={t:g}")
         eagle = sorted((r for r in overall if r["kind"] == "eagle" and r["temperature"] == t),
-                       key=lambda r: r["k"])
+                       key=lambda r: (r["k"] is None, r["k"] or 0, r["method"]))   # chains, then trees
         for i, r in enumerate(eagle):
             ax.axhline(r["theoretical_speedup"], linestyle=style, color=EAGLE_COLORS[i % len(EAGLE_COLORS)],
-                       label=f"EAGLE-style k={r['k']} T={t:g}")
+                       label=f"{r['method']} T={t:g}")
     ax.axhline(1.0, color="black", linewidth=1, label="AR")
     if ns:
         ax.plot(ns, ns, ":", color="gray", label="limit n")
@@ -61,7 +61,7 @@ def plot_acceptance_by_position(rows: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["method"] for r in overall))}
     for ax, kinds, xlabel in ((axes[0], ("spd", "ppsd"), "pipeline fill when drafted (n = steady state)"),
-                              (axes[1], ("eagle",), "position in the draft chain")):
+                              (axes[1], ("eagle",), "position in the draft chain (tree: depth)")):
         for r in overall:
             if r["kind"] not in kinds:
                 continue

@@ -10,6 +10,10 @@ recompute them:
   decode_tokens / target_forwards, SPD / PPSD n * decode_tokens / cycles
 - equivalent_accept_length (SPD / PPSD, SPEC section 6) = n * new_tokens / cycles
 - theoretical_speedup = decode_tokens / sum(decode cost) on the common cost model (costs.py)
+- measured_cost_speedup = the same with each verification forward of T tokens priced at its
+  measured v_T (costs.measured_decode_cost; None where not measured)
+- mean_tree_size (EAGLE-style) = drafts sent to the target per target forward (chain: up to k,
+  tree: up to its budget B)
 - wall_clock_ratio = tokens_per_second / AR's tokens_per_second over the same prompts
 - acceptance_by_position[i] = accepted / verified drafts at position i+1 (fill or chain index)
 """
@@ -25,7 +29,8 @@ OVERALL = "overall"
 FIELDS = ("method", "kind", "n", "k", "dataset", "temperature", "prompts", "new_tokens", "decode_tokens",
           "cycles", "target_forwards", "draft_forwards", "verified_drafts", "accepted_drafts",
           "per_draft_acceptance", "mean_accepted_length", "equivalent_accept_length",
-          "draft_cost_fraction", "decode_cost", "theoretical_speedup", "decode_seconds",
+          "draft_cost_fraction", "decode_cost", "theoretical_speedup", "verify_cost_fraction",
+          "measured_cost_speedup", "mean_tree_size", "decode_seconds",
           "tokens_per_second", "ar_tokens_per_second", "wall_clock_ratio", "greedy_checked",
           "greedy_mismatches", "verified_by_position", "acceptance_by_position", "untrained",
           "retrieval_share", "acceptance_by_source", "retrieval_ms")
@@ -40,8 +45,10 @@ def _sum_lists(lists) -> list[int]:
     return [sum(x[i] for x in lists if i < len(x)) for i in range(width)]
 
 
-def summarize_group(records: list[dict], dataset: str, fraction: float, ar_records: list[dict]) -> dict:
-    """One summary row from one method's records of one group (and AR's of the same group)."""
+def summarize_group(records: list[dict], dataset: str, fraction: float, ar_records: list[dict],
+                    verify: dict | None = None) -> dict:
+    """One summary row from one method's records of one group (and AR's of the same group);
+    `verify`: the method's measured verification cost (run.json), if any."""
     first = records[0]
     kind, n = first["kind"], first["n"]
     decode_tokens = sum(r["decode_tokens"] for r in records)
@@ -51,6 +58,9 @@ def summarize_group(records: list[dict], dataset: str, fraction: float, ar_recor
     forwards = sum(r["target_forwards"] for r in records) if kind in ("ar", "eagle") else None
     verified, accepted = sum(r["verified"] for r in records), sum(r["accepted"] for r in records)
     cost = sum(costs.decode_cost(r, fraction) for r in records)
+    measured = [costs.measured_decode_cost(r, fraction, verify) for r in records]
+    measured = None if any(m is None for m in measured) else sum(measured)
+    drafted = sum(r.get("draft_tokens") or 0 for r in records) if kind == "eagle" else None
     if kind == "ar":
         mean_len = 1.0 if decode_tokens else None
     elif kind == "eagle":
@@ -74,7 +84,11 @@ def summarize_group(records: list[dict], dataset: str, fraction: float, ar_recor
         "mean_accepted_length": mean_len,
         "equivalent_accept_length": _ratio(n * new_tokens, cycles) if cycles is not None else None,
         "draft_cost_fraction": fraction, "decode_cost": cost,
-        "theoretical_speedup": _ratio(decode_tokens, cost), "decode_seconds": seconds,
+        "theoretical_speedup": _ratio(decode_tokens, cost),
+        "verify_cost_fraction": verify["fraction"] if verify else None,
+        "measured_cost_speedup": _ratio(decode_tokens, measured) if measured is not None else None,
+        "mean_tree_size": _ratio(drafted, forwards) if drafted is not None else None,
+        "decode_seconds": seconds,
         "tokens_per_second": tps, "ar_tokens_per_second": ar_tps,
         "wall_clock_ratio": _ratio(tps, ar_tps) if tps is not None else None,
         "greedy_checked": len(checked), "greedy_mismatches": sum(1 for r in checked if not r["matches_ar"]),
@@ -118,7 +132,8 @@ def summarize(records: list[dict], methods: dict) -> list[dict]:
                 if not group:
                     continue
                 fraction = methods.get(method, {}).get("draft_fraction", 0.0)
-                row = summarize_group(group, dataset, fraction, groups.get(("ar", dataset, t), []))
+                row = summarize_group(group, dataset, fraction, groups.get(("ar", dataset, t), []),
+                                      methods.get(method, {}).get("verify_cost"))
                 rows.append({**row, "retrieval_ms": methods.get(method, {}).get("retrieval_ms")})
     return rows
 
@@ -134,9 +149,9 @@ def _fmt(value, digits=2) -> str:
 def markdown(rows: list[dict]) -> str:
     """The full table, then theoretical / wall-clock speedup per dataset (SPEC section 9 style)."""
     head = ("| method | dataset | T | prompts | new tokens | cycles / target fwd | per-draft acc. | "
-            "from retrieval | acc. by source | mean acc. len | draft cost | retrieval ms | theor. speedup | "
-            "tok/s | wall-clock vs AR | greedy = AR |")
-    lines = [head, "|" + "---|" * 16]
+            "from retrieval | acc. by source | tree size | mean acc. len | draft cost | retrieval ms | "
+            "theor. speedup | verify cost | speedup at measured verify cost | tok/s | wall-clock vs AR | greedy = AR |")
+    lines = [head, "|" + "---|" * 19]
     for r in rows:
         steps = r["cycles"] if r["cycles"] is not None else r["target_forwards"]
         greedy = f"{r['greedy_checked'] - r['greedy_mismatches']}/{r['greedy_checked']}" if r["greedy_checked"] else "-"
@@ -144,9 +159,10 @@ def markdown(rows: list[dict]) -> str:
         by_source = ", ".join(f"{k} {_fmt(v)}" for k, v in (r.get("acceptance_by_source") or {}).items()) or "-"
         lines.append(f"| {name} | {r['dataset']} | {r['temperature']:g} | {r['prompts']} | {r['new_tokens']} | "
                      f"{steps} | {_fmt(r['per_draft_acceptance'])} | {_fmt(r.get('retrieval_share'))} | "
-                     f"{by_source} | {_fmt(r['mean_accepted_length'])} | "
+                     f"{by_source} | {_fmt(r.get('mean_tree_size'))} | {_fmt(r['mean_accepted_length'])} | "
                      f"{_fmt(r['draft_cost_fraction'], 3)} | {_fmt(r.get('retrieval_ms'), 3)} | "
-                     f"{_fmt(r['theoretical_speedup'])} | "
+                     f"{_fmt(r['theoretical_speedup'])} | {_fmt(r.get('verify_cost_fraction'))} | "
+                     f"{_fmt(r.get('measured_cost_speedup'))} | "
                      f"{_fmt(r['tokens_per_second'], 1)} | {_fmt(r['wall_clock_ratio'])} | {greedy} |")
     for t in sorted({r["temperature"] for r in rows}):
         datasets = [d for d in dict.fromkeys(r["dataset"] for r in rows if r["temperature"] == t)]

@@ -65,8 +65,9 @@ def choose_split(costs, stages: int, draft_rank: str, head: str, drafters, pdm: 
     return list(balanced_split(costs, stages, draft_rank, head, draft, allowed))
 
 
-def measure_device_costs(model: str, stages: int, dtype: str, drafters, pdm: str | None, target):
-    """Time layer, head, message and each drafter's call on this device (planner.measure_costs)."""
+def measure_device_costs(model: str, stages: int, dtype: str, drafters, pdm: str | None, target, context: int = 64):
+    """Time layer, head, message and each drafter's call on this device (planner.measure_costs),
+    after `context` positions (a layer's attention, and so its cost, grows with the context)."""
     from ..checkpoint import load_pdm
     from ..retrieval import Gate, make_drafter
     from .costs import pipeline_draft_step
@@ -77,8 +78,8 @@ def measure_device_costs(model: str, stages: int, dtype: str, drafters, pdm: str
         loaded = load_pdm(pdm, target)
         for name in drafters:
             if name != "oracle":
-                calls[name] = pipeline_draft_step(target, make_drafter(name, loaded, Gate.load(pdm)), stages, 64)
-    costs = measure_costs(target, calls)
+                calls[name] = pipeline_draft_step(target, make_drafter(name, loaded, Gate.load(pdm)), stages, context)
+    costs = measure_costs(target, calls, context)
     return costs
 
 
@@ -104,7 +105,11 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
     spec = plan(model, stages, None if auto else split, draft_rank, pdm, dtype=dtype, threads=threads, timeout=60.0,
                 lookahead=lookahead, head=head)
     target, tokenizer = load_target(spec.model, dtype=parse_dtype(dtype))
-    costs = measure_device_costs(model, stages, dtype, drafters, spec.pdm, target)
+    texts = prompts or PROMPTS
+    ids = [encode_prompt(tokenizer, text) if tokenizer is not None else [1, 2, 3] for text in texts]
+    # costs at the mean context of the decode (prompt + half the new tokens), where the run spends its time
+    context = round(sum(map(len, ids)) / len(ids) + max_new_tokens / 2)
+    costs = measure_device_costs(model, stages, dtype, drafters, spec.pdm, target, context)
     # --split auto: each drafter gets the split balanced for its own draft cost (the oracle's rank 0
     # has no PDM to run); drafters that share a split share one set of processes
     split_of = {name: tuple(choose_split(costs, stages, draft_rank, head, [name], spec.pdm) if auto
@@ -118,8 +123,6 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
     cores = os.cpu_count() or 1
     ar_threads = tuple(ar_threads) or tuple(sorted({cores, 1}, reverse=True))
     spd_threads = spec.threads or max(1, cores // spec.layout.world_size)
-    texts = prompts or PROMPTS
-    ids = [encode_prompt(tokenizer, text) if tokenizer is not None else [1, 2, 3] for text in texts]
     results = {"ar": {t: {"threads": t, "tokens": 0, "seconds": 0.0} for t in ar_threads}}
     results.update({name: {"tokens": 0, "seconds": 0.0, "cycles": 0, "accepted": 0, "rejected": 0,
                            "identical": True, "breakdowns": [], "split": list(split_of[name])} for name in drafters})
@@ -189,7 +192,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
                            "spd_threads_per_process": spd_threads, "prompts": len(ids), "prompt_source": source,
                            "max_new_tokens": max_new_tokens, "dtype": dtype, "lookahead": lookahead,
                            "pdm": spec.pdm or "random (no shipped PDM for this split)",
-                           "split": "auto" if auto else "given", "head": spec.head}
+                           "split": "auto" if auto else "given", "head": spec.head, "cost_context": context}
     results["costs"] = asdict(costs)
     return results
 
@@ -204,7 +207,8 @@ def format_report(results: dict) -> str:
              + (f"; load average {load[0]:.1f} -> {load[1]:.1f}" if load[0] is not None else "")]
     c = results["costs"]
     lines.append(f"  prompts: {s['prompt_source']}")
-    lines.append(f"  split {s['split']}, head on {'the last stage' if s['head'] == 'last' else 'rank 0'}; device costs: "
+    lines.append(f"  split {s['split']}, head on {'the last stage' if s['head'] == 'last' else 'rank 0'}; device costs"
+                 f"{' at context ' + str(s['cost_context']) if 'cost_context' in s else ''}: "
                  f"layer {c['layer_ms']:.2f} ms (x{c['contention']:.2f} with every core busy), head "
                  f"{c['head_ms']:.2f} ms, message {c['message_ms']:.2f} ms, draft "
                  + ", ".join(f"{k} {v:.2f}" for k, v in c["draft_ms"].items()) + " ms")

@@ -61,7 +61,7 @@ def train(
     seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
-    method: str = typer.Option("pdm", help="pdm (SPD), or a baseline head: eagle (EAGLE-style) or ppsd."),
+    method: Optional[str] = typer.Option(None, help="pdm (SPD, default), or a baseline head: eagle (EAGLE-style) or ppsd; --resume keeps the run's."),
     ttt_steps: int = typer.Option(2, min=1, help="eagle: unrolled chain steps per position in training."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
@@ -91,6 +91,9 @@ def train(
         given = {k: v for k, v in given.items() if v is not None}
         if anchors is not None:
             given["anchors"] = None if anchors == "auto" else _ints(anchors, "--anchors")
+        if method is None:   # a resumed head run says which head it trains
+            from ..baselines.train_heads import saved_method
+            method = (saved_method(out) if resume else None) or "pdm"
         if method not in ("pdm", "eagle", "ppsd"):
             raise ValueError(f"--method must be pdm, eagle or ppsd; got {method!r}")
         config = make_config(out, resume, progress=progress, **given)

@@ -24,7 +24,7 @@ import torch
 import typer
 from tqdm import tqdm
 
-from ..retrieval import Gate, SuffixIndex
+from ..retrieval import Gate, SuffixIndex, retrieval_prior
 
 
 @dataclass
@@ -33,12 +33,13 @@ class GateRecord:
     pdm_top1: float       # the PDM's top-1 probability
     retrieval_right: bool
     pdm_right: bool
+    agree: bool = False   # retrieval == the PDM's top-1 (no choice to make: the fit skips these)
 
 
 @torch.inference_mode()
 def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_len: int = 8
                  ) -> list[GateRecord]:
-    """Disagreements between retrieval and the PDM along one training conversation.
+    """Every retrieval match along one training conversation, and whether the PDM agreed.
 
     One target forward over prompt + answer gives the anchor features of every position and the
     target's own next token after each prefix (what verification would accept). Each answer
@@ -58,20 +59,28 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
         index.sync(state.tokens, t)
         retrieved, length = index.lookup()
         p, top1 = torch.softmax(drafter.logits(state), -1).max(-1)
-        if retrieved is not None and retrieved != int(top1):
-            records.append(GateRecord(length, float(p), retrieved == target_next[t], int(top1) == target_next[t]))
+        if retrieved is not None:
+            records.append(GateRecord(length, float(p), retrieved == target_next[t], int(top1) == target_next[t],
+                                      agree=retrieved == int(top1)))
     return records
 
 
 def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, fitted_on: str = "") -> Gate:
-    """Per match length, the threshold on the PDM's top-1 probability that maximises right drafts.
+    """Per match length, where retrieval and the PDM's top-1 disagree: the threshold on the PDM's
+    top-1 probability that maximises right drafts, and how often the retrieved token was right
+    (the score a token tree gives a retrieved candidate beside the PDM's own).
 
-    Lengths with fewer than `min_count` disagreements take the threshold of the next shorter
+    Lengths with fewer than `min_count` records take the threshold (accuracy) of the next shorter
     length (longer matches are at least as trustworthy); retrieval needs a match of at least the
     shortest length whose threshold is above 0."""
-    thresholds = []
+    thresholds, accuracy = [], []
     for length in range(1, max_len + 1):
-        sel = sorted((r for r in records if min(r.match_len, max_len) == length), key=lambda r: r.pdm_top1)
+        sel = sorted((r for r in records if min(r.match_len, max_len) == length and not r.agree),
+                     key=lambda r: r.pdm_top1)
+        if len(sel) < min_count:
+            accuracy.append(accuracy[-1] if accuracy else retrieval_prior(length))
+        else:
+            accuracy.append(round(sum(r.retrieval_right for r in sel) / len(sel), 4))
         if len(sel) < min_count:
             thresholds.append(thresholds[-1] if thresholds else 0.0)
             continue
@@ -90,7 +99,7 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
             thresholds.append((sel[best_i - 1].pdm_top1 + sel[best_i].pdm_top1) / 2)
     min_len = next((i + 1 for i, t in enumerate(thresholds) if t > 0), max_len)
     return Gate(min_len=min_len, max_len=max_len, threshold=[round(t, 4) for t in thresholds],
-                fitted_on=fitted_on)
+                fitted_on=fitted_on, accuracy=accuracy)
 
 
 def conversations(path: Path, skip: int, count: int) -> list[list[dict]]:
@@ -161,13 +170,14 @@ def gate(
         records = []
         for prompt, answer in tqdm(pairs, desc=f"replaying {folder.name}"):
             records += gate_records(target, net, prompt, answer, max_len)
+        disagree = [r for r in records if not r.agree]
         fitted = fit_gate(records, max_len, min_count, fitted_on=f"{data.name} lines {skip}.. ({len(pairs)} "
-                          f"conversations, {len(records)} disagreements)")
+                          f"conversations, {len(records)} matches, {len(disagree)} disagreements)")
         gated = sum(r.retrieval_right if fitted.takes_retrieval(r.match_len, r.pdm_top1) else r.pdm_right
-                    for r in records)
+                    for r in disagree)
         typer.echo(f"{folder}: {json.dumps(fitted.__dict__)}")
-        typer.echo(f"  where retrieval and the PDM disagree ({len(records)} drafts): PDM right "
-                   f"{sum(r.pdm_right for r in records)}, retrieval right {sum(r.retrieval_right for r in records)}, "
+        typer.echo(f"  where retrieval and the PDM disagree ({len(disagree)} drafts): PDM right "
+                   f"{sum(r.pdm_right for r in disagree)}, retrieval right {sum(r.retrieval_right for r in disagree)}, "
                    f"gated right {gated}")
         if not dry_run:
             typer.echo(f"  saved {fitted.save(folder)}")

@@ -1,0 +1,70 @@
+"""Fitting the hybrid drafter's gate: thresholds against brute force, the per-length accuracy
+over every match, and gate records from a real (tiny) target and PDM."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from spd.pdm import PDM
+from spd.retrieval import Gate, RETRIEVAL_PRIOR, SuffixIndex
+from spd.target import Target, split_layers
+from spd.train.gate import GateRecord, fit_gate, gate_records
+
+
+def random_records(seed: int, count: int = 400) -> list[GateRecord]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        length, p = rng.choice([1, 1, 2, 2, 3, 5]), round(rng.random(), 3)
+        agree = rng.random() < 0.3
+        retrieval_right = rng.random() < 0.2 * length
+        pdm_right = retrieval_right if agree else (not retrieval_right and rng.random() < p)
+        out.append(GateRecord(length, p, retrieval_right, pdm_right, agree))
+    return out
+
+
+def right_drafts(records, length, threshold):
+    return sum(r.retrieval_right if r.pdm_top1 < threshold else r.pdm_right
+               for r in records if min(r.match_len, 4) == length and not r.agree)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_thresholds_and_accuracy_are_fitted_on_the_disagreements_per_length(seed):
+    records = random_records(seed)
+    gate = fit_gate(records, max_len=4, min_count=20)
+    for length in (1, 2, 3, 4):   # matches of 5 count as 4 (max_len)
+        candidates = [0.0, 1.01] + sorted({r.pdm_top1 + 1e-6 for r in records})   # every distinct cut
+        assert right_drafts(records, length, gate.threshold[length - 1]) == max(
+            right_drafts(records, length, t) for t in candidates)
+        matches = [r for r in records if min(r.match_len, 4) == length and not r.agree]
+        assert gate.accuracy[length - 1] == pytest.approx(sum(r.retrieval_right for r in matches) / len(matches), abs=1e-4)
+    assert gate.prior(9) == gate.accuracy[3] and gate.prior(1) == gate.accuracy[0]
+
+
+def test_sparse_lengths_fall_back_and_an_unfitted_gate_uses_the_documented_prior():
+    records = [GateRecord(1, 0.5, True, False, False)] * 30 + [GateRecord(2, 0.5, False, False, True)] * 40
+    gate = fit_gate(records, max_len=3, min_count=20)
+    assert gate.accuracy == [1.0, 1.0, 1.0] and gate.threshold == [1.01, 1.01, 1.01]
+    empty = fit_gate([], max_len=2, min_count=20)
+    assert empty.accuracy == list(RETRIEVAL_PRIOR[:1]) * 2 and empty.threshold == [0.0, 0.0]
+    assert Gate().prior(3) == RETRIEVAL_PRIOR[2] and Gate().prior(20) == RETRIEVAL_PRIOR[-1]
+    with pytest.raises(ValueError, match="accuracy"):
+        Gate(max_len=2, threshold=[0.1, 0.2], min_len=1, accuracy=[0.5])
+
+
+def test_gate_records_follow_the_index_and_the_pdm():
+    """Records: one per position with a match; agree == (retrieved == PDM top-1), and the truth is
+    the target's own greedy next token."""
+    target = Target.from_hf(tiny_model("llama", num_layers=4, vocab=16, seed=3))
+    pdm = PDM.create(target, [len(s) for s in split_layers(4, 2)], seed=1).eval()
+    gen = torch.Generator().manual_seed(0)
+    prompt, answer = torch.randint(0, 16, (5,), generator=gen).tolist(), torch.randint(0, 16, (40,), generator=gen).tolist()
+    records = gate_records(target, pdm, prompt, answer)
+    index, sequence, expected = SuffixIndex(8), prompt + answer, 0
+    for t in range(len(prompt), len(sequence) - 1):
+        index.sync(sequence[:t + 1], t)
+        expected += index.lookup()[0] is not None
+    assert len(records) == expected > 10
+    assert all(not (r.agree and r.retrieval_right != r.pdm_right) for r in records)
