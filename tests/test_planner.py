@@ -80,10 +80,34 @@ def test_wallclock_gives_each_drafter_its_balanced_split(tmp_path, monkeypatch):
     save_pdm(PDM.create(Target.from_hf(model), [4, 4], anchors=[0, 8]), tmp_path / "pdm")
     costs = Costs(num_layers=8, layer_ms=1.0, head_ms=2.0, message_ms=0.0, draft_ms={"pdm": 4.0})
     monkeypatch.setattr(wallclock, "measure_device_costs", lambda *a: costs)   # no timing in a test
-    results = wallclock.measure(str(tmp_path / "model"), 2, "auto", "with-first-stage", ("oracle", "pdm"),
-                                ["a", "b"], 8, (1,), 1, str(tmp_path / "pdm"))
+    results = wallclock.measure(wallclock.WallclockOptions(
+        str(tmp_path / "model"), 2, "auto", "with-first-stage", ("oracle", "pdm"), ["a", "b"], "test", 8, (1,), 1,
+        str(tmp_path / "pdm")))
     assert results["oracle"]["split"] == [5, 3]       # 5 = 3 + head 2
     assert results["pdm"]["split"] == [3, 5]          # 3 + draft 4 = 5 + head 2
     assert results["oracle"]["identical"] and results["pdm"]["identical"]
     assert results["settings"]["stage_layers"] == [(3, 5), (5, 3)]
     assert "SPD oracle 5/3" in wallclock.format_report(results)
+
+
+def test_wallclock_runs_a_token_tree(tmp_path, monkeypatch):
+    """`--tree-width 2`: the PDM drafts two candidates per level, lookahead auto turns off, the
+    tokens stay AR's, and no cost-model prediction is made (it prices one token per stage)."""
+    from conftest import tiny_model
+    from spd.bench import wallclock
+    from spd.checkpoint import save_pdm
+    from spd.pdm import PDM
+    from spd.target import Target
+
+    model = tiny_model("llama", num_layers=4, seed=3)
+    model.save_pretrained(tmp_path / "model")
+    save_pdm(PDM.create(Target.from_hf(model), [2, 2]), tmp_path / "pdm")
+    costs = Costs(num_layers=4, layer_ms=1.0, head_ms=1.0, message_ms=0.0, draft_ms={"pdm": 1.0})
+    monkeypatch.setattr(wallclock, "measure_device_costs", lambda *a: costs)
+    results = wallclock.measure(wallclock.WallclockOptions(
+        str(tmp_path / "model"), 2, [2, 2], drafters=("pdm",), prompts=["a"], max_new_tokens=12, ar_threads=(1,),
+        threads=1, pdm=str(tmp_path / "pdm"), tree_width=2))
+    r = results["pdm"]
+    assert r["identical"] and 1.0 < r["mean_width"] <= 2.0
+    assert "predicted_tokens_per_second" not in r and results["settings"]["lookahead"] == "off"
+    assert "mean width" in wallclock.format_report(results) and "tree width 2" in wallclock.format_report(results)

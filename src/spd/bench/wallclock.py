@@ -15,7 +15,10 @@ the PDM's anchors at every depth; drafters with the same split share one set of 
 Every drafter's result carries `predicted_tokens_per_second` from that cost model, the run's
 acceptance by fill and the drafter's mean draft time, next to the measured one.
 Two ratios everywhere: against AR on the same total cores (every thread) and against AR on one
-thread (one device: the paper's framing, n devices against one).
+thread (one device: the paper's framing, n devices against one). `--tree-width W` runs every
+drafter as a token tree of W candidates per level (spd.tree; the oracle's first candidate is
+AR's token); lookahead is off then, and the cost model, which prices one token per stage, makes
+no prediction.
 This is a benchmark, not a test: it prints what it measured, and the ratio can fall short.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -37,6 +41,27 @@ PROMPTS = [
     "What are the main differences between Python lists and tuples?",
     "Give me three tips for staying focused while studying.",
 ]
+
+
+@dataclass(frozen=True)
+class WallclockOptions:
+    """What `spd bench wallclock` runs (the CLI's options)."""
+
+    model: str = "default"
+    stages: int = 2
+    split: list[int] | str | None = "auto"   # layers per stage, or "auto" (balanced per drafter)
+    draft_rank: str = "with-first-stage"
+    drafters: tuple[str, ...] = ("oracle", "pdm", "hybrid")
+    prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
+    source: str = "built-in"                 # where the prompts came from, for the report
+    max_new_tokens: int = 64
+    ar_threads: tuple[int, ...] = ()          # default: every core, and 1
+    threads: int | None = None                # per SPD process (default: cores / processes)
+    pdm: str | None = None
+    dtype: str = "float32"
+    lookahead: str = "auto"
+    head: str = "last"
+    tree_width: int = 1
 
 
 def weighted_breakdown(runs: list[dict]) -> dict:
@@ -83,11 +108,7 @@ def measure_device_costs(model: str, stages: int, dtype: str, drafters, pdm: str
     return costs
 
 
-def measure(model: str = "default", stages: int = 2, split: list[int] | str | None = "auto",
-            draft_rank: str = "with-first-stage", drafters: tuple[str, ...] = ("oracle", "pdm", "hybrid"),
-            prompts: list[str] | None = None, max_new_tokens: int = 64, ar_threads: tuple[int, ...] = (),
-            threads: int | None = None, pdm: str | None = None, dtype: str = "float32",
-            lookahead: str = "auto", head: str = "last", source: str = "built-in") -> dict:
+def measure(options: WallclockOptions) -> dict:
     """Run the benchmark; returns {ar: {...}, <drafter>: {...}, costs: {...}, settings: {...}}."""
     import torch
 
@@ -101,11 +122,15 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
 
     from .planner import acceptance_profile, predict
 
+    o = options
+    model, stages, split, draft_rank, drafters = o.model, o.stages, o.split, o.draft_rank, o.drafters
+    max_new_tokens, threads, dtype, head, width = o.max_new_tokens, o.threads, o.dtype, o.head, o.tree_width
+    lookahead = "off" if width > 1 and o.lookahead == "auto" else o.lookahead   # a tree verifies before it drafts on
     auto = split == "auto"
-    spec = plan(model, stages, None if auto else split, draft_rank, pdm, dtype=dtype, threads=threads, timeout=60.0,
-                lookahead=lookahead, head=head)
+    run_options = dict(dtype=dtype, threads=threads, timeout=60.0, lookahead=lookahead, head=head, tree_width=width)
+    spec = plan(model, stages, None if auto else split, draft_rank, o.pdm, **run_options)
     target, tokenizer = load_target(spec.model, dtype=parse_dtype(dtype))
-    texts = prompts or PROMPTS
+    texts = o.prompts
     ids = [encode_prompt(tokenizer, text) if tokenizer is not None else [1, 2, 3] for text in texts]
     # costs at the mean context of the decode (prompt + half the new tokens), where the run spends its time
     context = round(sum(map(len, ids)) / len(ids) + max_new_tokens / 2)
@@ -116,16 +141,16 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
                             else spec.stage_layers) for name in drafters}
     specs = {}
     for chosen in dict.fromkeys(split_of.values()):
-        specs[chosen] = spec if not auto else plan(model, stages, list(chosen), draft_rank, spec.pdm, dtype=dtype,
-                                                   threads=threads, timeout=60.0, lookahead=lookahead, head=head)
+        specs[chosen] = spec if not auto else plan(model, stages, list(chosen), draft_rank, spec.pdm, **run_options)
         log.warning("--split auto: %s for %s (%s), head on %s", list(chosen), draft_rank,
                     ", ".join(d for d in drafters if split_of[d] == chosen), head)
     cores = os.cpu_count() or 1
-    ar_threads = tuple(ar_threads) or tuple(sorted({cores, 1}, reverse=True))
+    ar_threads = tuple(o.ar_threads) or tuple(sorted({cores, 1}, reverse=True))
     spd_threads = spec.threads or max(1, cores // spec.layout.world_size)
     results = {"ar": {t: {"threads": t, "tokens": 0, "seconds": 0.0} for t in ar_threads}}
     results.update({name: {"tokens": 0, "seconds": 0.0, "cycles": 0, "accepted": 0, "rejected": 0,
-                           "identical": True, "breakdowns": [], "split": list(split_of[name])} for name in drafters})
+                           "identical": True, "breakdowns": [], "split": list(split_of[name]),
+                           "verified_candidates": 0} for name in drafters})
 
     def ar(prompt, new, threads):
         torch.set_num_threads(threads)
@@ -155,6 +180,7 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
                     r["cycles"] += s.cycles
                     r["accepted"] += s.accepted
                     r["rejected"] += s.rejected
+                    r["verified_candidates"] += s.verified_candidates
                     r["identical"] &= out.tokens == reference
                     r["breakdowns"].append(s.breakdown)
                     for key in ("verified_by_fill", "accepted_by_fill"):
@@ -177,22 +203,25 @@ def measure(model: str = "default", stages: int = 2, split: list[int] | str | No
         # the cost model: device costs measured before the run, this run's acceptance by fill, and
         # the drafter's mean draft time in the run (a hybrid's depends on how often it skips the PDM)
         draft_ms = 1000.0 * r.pop("draft_seconds") / max(1, r["cycles"]) / costs.contention
-        guess = predict(costs, r["split"], draft_rank, spec.head, acceptance_profile(r), name, draft_ms,
-                        new_tokens=max_new_tokens, lookahead=None if lookahead == "auto" else lookahead == "on")
-        r["predicted_tokens_per_second"] = guess.tokens_per_second
-        r["predicted_cycle_ms"] = guess.cycle_ms
-        r["prediction_error"] = guess.tokens_per_second / r["tokens_per_second"] - 1.0
+        if width == 1:   # the model prices one token per stage per cycle
+            guess = predict(costs, r["split"], draft_rank, spec.head, acceptance_profile(r), name, draft_ms,
+                            new_tokens=max_new_tokens, lookahead=None if lookahead == "auto" else lookahead == "on")
+            r["predicted_tokens_per_second"] = guess.tokens_per_second
+            r["predicted_cycle_ms"] = guess.cycle_ms
+            r["prediction_error"] = guess.tokens_per_second / r["tokens_per_second"] - 1.0
         r["tokens_per_cycle"] = (r["tokens"] + len(ids)) / r["cycles"] if r["cycles"] else 0.0
-        r["per_draft_acceptance"] = r["accepted"] / max(1, r["accepted"] + r["rejected"])
+        r["per_draft_acceptance"] = r["accepted"] / max(1, r["accepted"] + r["rejected"])   # per position in a tree
+        r["mean_width"] = r["verified_candidates"] / max(1, r["accepted"] + r["rejected"])
         r["breakdown"] = weighted_breakdown(r.pop("breakdowns"))
     results["settings"] = {"model": model, "stage_layers": sorted({tuple(r) for r in split_of.values()}), "draft_rank": draft_rank,
                            "processes": spec.layout.world_size, "cores": cores, "ar_threads": list(ar_threads),
                            "load_average_before": load_before,
                            "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-                           "spd_threads_per_process": spd_threads, "prompts": len(ids), "prompt_source": source,
+                           "spd_threads_per_process": spd_threads, "prompts": len(ids), "prompt_source": o.source,
                            "max_new_tokens": max_new_tokens, "dtype": dtype, "lookahead": lookahead,
                            "pdm": spec.pdm or "random (no shipped PDM for this split)",
-                           "split": "auto" if auto else "given", "head": spec.head, "cost_context": context}
+                           "split": "auto" if auto else "given", "head": spec.head, "cost_context": context,
+                           "tree_width": width}
     results["costs"] = asdict(costs)
     return results
 
@@ -203,7 +232,7 @@ def format_report(results: dict) -> str:
     lines = [f"wall-clock: {s['model']}, n={len(s['stage_layers'][0])}, draft rank "
              f"{s['draft_rank']} ({s['processes']} processes x {s['spd_threads_per_process']} threads; "
              f"{s['cores']} cores), {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['dtype']}"
-             + f", lookahead {s['lookahead']}"
+             + f", lookahead {s['lookahead']}" + (f", tree width {s['tree_width']}" if s.get("tree_width", 1) > 1 else "")
              + (f"; load average {load[0]:.1f} -> {load[1]:.1f}" if load[0] is not None else "")]
     c = results["costs"]
     lines.append(f"  prompts: {s['prompt_source']}")
@@ -218,8 +247,9 @@ def format_report(results: dict) -> str:
         if name in ("ar", "settings", "costs"):
             continue
         label = f"SPD {name} {'/'.join(map(str, r['split']))}"
-        lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s (predicted {r['predicted_tokens_per_second']:.2f},"
-                     f" {r['prediction_error']:+.0%})  x{r['ratio_vs_ar_all_cores']:.2f} AR all cores, "
+        predicted = (f"predicted {r['predicted_tokens_per_second']:.2f}, {r['prediction_error']:+.0%}"
+                     if "predicted_tokens_per_second" in r else f"mean width {r['mean_width']:.2f}, no prediction")
+        lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s ({predicted})  x{r['ratio_vs_ar_all_cores']:.2f} AR all cores, "
                      f"x{r['ratio_vs_ar_one_thread']:.2f} AR 1 thread"
                      f"  tokens/cycle {r['tokens_per_cycle']:.3f}  per-draft acceptance {r['per_draft_acceptance']:.3f}"
                      f"  {'identical to AR' if r['identical'] else 'DIFFERENT from AR'}")
@@ -249,7 +279,9 @@ def bench_wallclock(
     ar_threads: Optional[str] = typer.Option(None, help="torch threads for AR, one run each, e.g. 2,1 (default: every core, and 1); ratios are against the fastest."),
     threads: Optional[int] = typer.Option(None, help="torch threads per SPD process (default: cores / processes)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    lookahead: str = typer.Option("auto", help="off, on, or auto: start a cycle before the previous one is verified."),
+    lookahead: str = typer.Option("auto", help="off, on, or auto: start a cycle before the previous one is verified "
+                                  "(off with a tree width above 1)."),
+    tree_width: int = typer.Option(1, min=1, help="Candidates per pipeline level (token tree); 1 = the chain."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ):
     """AR vs distributed SPD decode tokens/s on the same prompts and cores; ratio, acceptance, cycle breakdown."""
@@ -271,10 +303,11 @@ def bench_wallclock(
                              "FILE for more")
         else:
             texts, source = PROMPTS[:prompts], f"{prompts} built-in"
-        results = measure(model, stages, "auto" if split == "auto" else parse_int_list(split, "--split"), draft_rank,
-                          names, texts, max_new_tokens,
-                          tuple(parse_int_list(ar_threads, "--ar-threads") or ()), threads, pdm, dtype, lookahead, head,
-                          source)
+        results = measure(WallclockOptions(
+            model=model, stages=stages, split="auto" if split == "auto" else parse_int_list(split, "--split"),
+            draft_rank=draft_rank, drafters=names, prompts=texts, source=source, max_new_tokens=max_new_tokens,
+            ar_threads=tuple(parse_int_list(ar_threads, "--ar-threads") or ()), threads=threads, pdm=pdm, dtype=dtype,
+            lookahead=lookahead, head=head, tree_width=tree_width))
     except (LayoutError, ValueError, FileNotFoundError) as err:
         typer.secho(f"error: {err}", fg="red", err=True)
         raise typer.Exit(2)
