@@ -138,6 +138,16 @@ def eval_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def saved_llama6(tmp_path_factory):
+    """(model, folder): a 6-layer tiny llama saved in folder/model, for runs that load by path
+    (the distributed runtime's stage processes)."""
+    folder = tmp_path_factory.mktemp("tiny_llama6")
+    model = tiny_model("llama", num_layers=6, seed=3)
+    model.save_pretrained(folder / "model")
+    return model, folder
+
+
+@pytest.fixture(scope="session")
 def llama_model():
     return tiny_model("llama")
 

@@ -31,11 +31,8 @@ LAYOUTS = [(2, "separate", "off", "control"), (2, "with-first-stage", "on", "las
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    model = tiny_model("llama", num_layers=6, seed=3)
-    model.save_pretrained(folder / "model")
-    return model, folder
+def checkpoint(saved_llama6):
+    return saved_llama6
 
 
 def params_of(module) -> int:

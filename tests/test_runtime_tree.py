@@ -35,11 +35,8 @@ RUNS = [(2, 2, "separate", "last"), (2, 4, "with-first-stage", "control"), (3, 2
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_tree")
-    model = tiny_model("llama", num_layers=6, seed=3)
-    model.save_pretrained(folder / "model")
-    return model, folder
+def checkpoint(saved_llama6):
+    return saved_llama6
 
 
 def same_counts(a, b, what) -> None:
