@@ -15,7 +15,7 @@ from spd.baselines.train_heads import train_head, unroll
 from spd.cache import KVCache
 from spd.engine import generate
 from spd.target import Target, attention_mask, split_layers
-from spd.train.loop import TrainConfig
+from spd.train.loop import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,12 @@ def test_head_training_resumes_exactly(setup):
     assert train_head(paused, "eagle", target, None).step == 20
     with pytest.raises(FileExistsError, match="--resume"):
         train_head(paused, "eagle", target, None)
-    with pytest.raises(ValueError, match="trains a eagle head, not ppsd"):
+    with pytest.raises(ValueError, match="trains an eagle head, not ppsd"):
         train_head(config(folder, "eagle-paused", resume=True), "ppsd", target, None)
+    with pytest.raises(ValueError, match="trains an eagle head, not a PDM; pass --method eagle"):
+        train(config(folder, "eagle-paused", resume=True), target=target)
+    with pytest.raises(ValueError, match="ttt_steps=2, now ttt_steps=3"):   # the run would not continue exactly
+        train_head(config(folder, "eagle-paused", resume=True), "eagle", target, None, ttt_steps=3)
     resumed = train_head(config(folder, "eagle-paused", resume=True), "eagle", target, None)
     assert resumed.step == straight.step == 40 and resumed.tokens == straight.tokens
     a = load_head(folder / "eagle-straight", target, "eagle").state_dict()

@@ -68,3 +68,13 @@ def test_gate_records_follow_the_index_and_the_pdm():
         expected += index.lookup()[0] is not None
     assert len(records) == expected > 10
     assert all(not (r.agree and r.retrieval_right != r.pdm_right) for r in records)
+
+
+def test_a_length_whose_retrievals_were_all_wrong_leaves_a_retrieved_candidate_its_pdm_score():
+    from spd.drafters import top_candidates
+    from spd.sampling import SamplingParams
+
+    gate = fit_gate([GateRecord(1, 0.5, False, True, False)] * 25, max_len=2, min_count=20)
+    assert gate.accuracy == [0.0, 0.0]
+    first = top_candidates(torch.zeros(8), SamplingParams(), 2, "pdm", (3, gate.prior(1)))[0]
+    assert first.token == 3 and first.logprob == pytest.approx(-torch.log(torch.tensor(8.0)).item())   # its PDM log q

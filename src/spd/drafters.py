@@ -154,7 +154,8 @@ def top_candidates(logits: torch.Tensor, params: SamplingParams, width: int, sou
     out = []
     if extra is not None:
         token, floor = extra
-        out.append(Candidate(token, max(float(logq[token]), math.log(floor)), "retrieval"))
+        least = math.log(floor) if floor > 0 else float("-inf")   # a fitted accuracy can be 0
+        out.append(Candidate(token, max(float(logq[token]), least), "retrieval"))
     out += [Candidate(int(t), float(v), source) for v, t in zip(values, ids) if v > float("-inf")]
     return out
 

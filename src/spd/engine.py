@@ -1,11 +1,10 @@
 """The single-process SPD schedule: prefill, then per cycle draft -> stages -> exit/verify.
 
 `stream()` is the one decode loop (a generator of verified tokens); `generate()` consumes it.
-The pipeline is the run of in-flight tokens at consecutive positions first_inflight..newest;
-the token at position p has depth newest - p and runs stage newest - p this cycle. Every layer's
-KV cache holds all positions before the token that runs it, because older tokens are deeper.
-With a tree width W > 1 each position (pipeline level) holds up to W candidates whose branches
-share the caches under a tree attention mask (spd.tree); W = 1 is the plain chain.
+The pipeline (`spd.tree.TreePipeline`) is a list of levels, oldest first: level d holds the
+in-flight candidates (up to W; one for the chain, W = 1) of one position, and runs stage d this
+cycle. Every layer's KV cache holds all positions before the level that runs it, because older
+levels are deeper; candidates of one level share the caches under a tree attention mask.
 
 Lossless by construction: every emitted token is an accepted draft or the target's own token
 from the same prefix and cache that plain decoding would use (SPEC sections 2 and 5).
@@ -190,7 +189,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     record = set(drafter.anchors)
     cache = target.new_cache(stages)   # recurrent layers keep n - k states
     capacity = len(prompt_ids) + max_new_tokens + n + 1
-    node_rows = 0 if tree.width == 1 else (n + 3) * (tree.width + 1)   # in-flight tree nodes' rows
+    node_rows = TreePipeline.node_row_count(n, tree.width)   # in-flight tree nodes' rows
     features = torch.zeros(capacity + node_rows, len(column), target.hidden_size, device=device,
                            dtype=target.dtype)
 

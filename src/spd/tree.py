@@ -197,12 +197,17 @@ class TreeShape:
 class TreePipeline:
     """One sequence's tree of in-flight tokens and each stage's cache tail (see module docstring)."""
 
+    @staticmethod
+    def node_row_count(n_stages: int, width: int) -> int:
+        """Feature-table rows reserved for in-flight tree nodes (more than ever live at once; 0 for a chain)."""
+        return 0 if width == 1 else (n_stages + 3) * (width + 1)
+
     def __init__(self, tokens: list[int], n_stages: int, config: TreeConfig, node_rows: int):
         """`tokens`: the prompt and the first (verified) token, which becomes the root.
         `node_rows`: first row of the feature table reserved for in-flight nodes (W > 1)."""
         self.tokens, self.n_stages, self.width = tokens, n_stages, config.width
         self.node_rows = node_rows
-        self.row_count = (n_stages + 3) * (config.width + 1)   # more than ever live at once
+        self.row_count = self.node_row_count(n_stages, config.width)
         self.levels: list[list[Node]] = []
         self.tails = [StageTail() for _ in range(n_stages)]
         self.pruned: list[list[int] | None] = [None] * n_stages

@@ -147,15 +147,12 @@ def eagle_loss(head, target, batch, ids, teacher, index, temperature, steps: int
     return loss, stats
 
 
-def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_steps: int = 2,
-               feature_layers=None, train_lm_head: bool = False) -> TrainSummary:
-    """Train an EAGLE-style or PPSD head as configured; writes a head checkpoint to cfg.out.
+HEAD_DEFAULTS = {"ttt_steps": 2, "feature_layers": None, "train_lm_head": False}
 
-    The training state (head, optimizer, step, place in the epoch) is saved every
-    `cfg.save_every` steps, on Ctrl-C / SIGTERM and at `cfg.stop_after`; `cfg.resume` continues
-    it exactly (the same batches in the same order)."""
-    if ttt_steps < 1:
-        raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+
+def resume_state(cfg: TrainConfig, method: str, given: dict) -> tuple[dict, dict]:
+    """(saved state or {}, head settings): a resumed run keeps its saved settings; one given that
+    differs is refused, naming it (the run would not continue exactly)."""
     out = Path(cfg.out)
     has_state = (out / STATE).is_file()
     if has_state and not cfg.resume:
@@ -163,8 +160,34 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
     if cfg.resume and not has_state:
         raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
     state = load_state(out, cfg) if cfg.resume else {}
-    if state and state.get("method") != method:
-        raise ValueError(f"--resume: {out} trains a {state.get('method')} head, not {method}; pass --method {state.get('method')}")
+    saved = state.get("head_settings", {})
+    if state and state.get("method", "pdm") != method:
+        was = state.get("method", "pdm")
+        raise ValueError(f"--resume: {out} trains {'a PDM' if was == 'pdm' else f'an {was} head'}, not {method}; "
+                         f"pass --method {was}")
+    settings = {}
+    for name, default in HEAD_DEFAULTS.items():
+        value = given.get(name)
+        if state and value is not None and value != saved.get(name):
+            raise ValueError(f"--resume: {out} was trained with {name}={saved.get(name)!r}, now {name}={value!r}; "
+                             f"resume with the same setting or train into another --out")
+        settings[name] = saved.get(name, default) if state else (default if value is None else value)
+    if settings["ttt_steps"] < 1:
+        raise ValueError(f"ttt_steps must be >= 1, got {settings['ttt_steps']}")
+    return state, settings
+
+
+def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_steps: int | None = None,
+               feature_layers=None, train_lm_head: bool | None = None) -> TrainSummary:
+    """Train an EAGLE-style or PPSD head as configured; writes a head checkpoint to cfg.out.
+
+    The training state (head, optimizer, step, place in the epoch, head settings) is saved every
+    `cfg.save_every` steps, on Ctrl-C / SIGTERM and at `cfg.stop_after`; `cfg.resume` continues
+    it exactly (the same batches in the same order). None: the default, or the resumed run's."""
+    out = Path(cfg.out)
+    state, settings = resume_state(cfg, method, dict(ttt_steps=ttt_steps, train_lm_head=train_lm_head,
+                                                     feature_layers=list(feature_layers) if feature_layers else None))
+    ttt_steps, feature_layers, train_lm_head = settings["ttt_steps"], settings["feature_layers"], settings["train_lm_head"]
     if target is None:
         from ..loading import parse_dtype
         from ..target import load_target
@@ -203,7 +226,7 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
              len(train_idx), len(eval_idx), step, end, total)
 
     def save() -> None:
-        save_state(out, {"method": method, "step": step, "epoch": epoch, "batches_left": len(batches),
+        save_state(out, {"method": method, "head_settings": settings, "step": step, "epoch": epoch, "batches_left": len(batches),
                          "head": head.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(cfg),
                          "tokens": summary.tokens, "seconds": summary.seconds})
 

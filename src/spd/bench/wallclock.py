@@ -295,6 +295,8 @@ def bench_wallclock(
     try:
         if questions:
             texts = [q.text for path in questions for q in read_questions(path, Path(path).parent.name, prompts)]
+            if not texts:
+                raise ValueError(f"--questions: no prompts in {', '.join(questions)}")
             if None in texts:
                 raise ValueError("--questions: every line needs a text prompt in `turns` (prompt_ids are not read here)")
             source = ", ".join(f"first {prompts} of {path}" for path in questions)

@@ -266,7 +266,7 @@ class Controller:
         eos, gen = set(eos_token_ids), params.generator(device)
         column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
         capacity = len(prompt_ids) + max_new_tokens + n + 1
-        node_rows = 0 if self.tree.width == 1 else (n + 3) * (self.tree.width + 1)   # as the engine's
+        node_rows = TreePipeline.node_row_count(n, self.tree.width)
         features = torch.zeros(capacity + node_rows, len(column), target.hidden_size, device=device,
                                dtype=target.dtype)
 

@@ -352,7 +352,7 @@ def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int
     read = board.read if board is not None else (lambda rank: read_status(store, rank))
     link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, progress=Progress(read, remote),
                 command_size=spec.command_size)
-    local = (StageWorker(target, layout, 0, link, spec.anchors, spec.prefill_chunk, spec.tree_width)
+    local = (StageWorker(target, layout, 0, link, spec.anchors, prefill_chunk=spec.prefill_chunk, width=spec.tree_width)
              if layout.colocated else None)
     controller = Controller(target, layout, link, spec.anchors, local, lookahead=spec.lookahead, board=board,
                             tree=TreeConfig(spec.tree_width))

@@ -46,7 +46,7 @@ def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_wo
         link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, on_wait=board.set,
                     progress=Progress(board.read, [r for r in stage_ranks if r != rank]),
                     command_size=spec.command_size)
-        worker = StageWorker(target, layout, k, link, spec.anchors, spec.prefill_chunk, spec.tree_width)
+        worker = StageWorker(target, layout, k, link, spec.anchors, prefill_chunk=spec.prefill_chunk, width=spec.tree_width)
         log.info("stage %d (rank %d, pid %d): layers %d..%d on %s", k, rank, os.getpid(),
                  layout.stages[k].start, layout.stages[k].stop - 1, device)
         serve(worker, link, board)

@@ -62,7 +62,8 @@ def train(
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
     method: Optional[str] = typer.Option(None, help="pdm (SPD, default), or a baseline head: eagle (EAGLE-style) or ppsd; --resume keeps the run's."),
-    ttt_steps: int = typer.Option(2, min=1, help="eagle: unrolled chain steps per position in training."),
+    ttt_steps: Optional[int] = typer.Option(None, min=1, help="eagle: unrolled chain steps per position in training "
+                                            "(default 2; --resume keeps the run's)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Train a Pipeline Draft Module for a target and a stage split (SPEC section 4).

@@ -96,9 +96,11 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
         elif best_i == len(sel):
             thresholds.append(1.01)   # retrieval whatever the PDM says: skip its forward
         else:
-            thresholds.append((sel[best_i - 1].pdm_top1 + sel[best_i].pdm_top1) / 2)
+            low, high = sel[best_i - 1].pdm_top1, sel[best_i].pdm_top1
+            cut = round((low + high) / 2, 4)
+            thresholds.append(cut if low < cut <= high else (low + high) / 2)   # rounding must not cross a record
     min_len = next((i + 1 for i, t in enumerate(thresholds) if t > 0), max_len)
-    return Gate(min_len=min_len, max_len=max_len, threshold=[round(t, 4) for t in thresholds],
+    return Gate(min_len=min_len, max_len=max_len, threshold=thresholds,
                 fitted_on=fitted_on, accuracy=accuracy)
 
 

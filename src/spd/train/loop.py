@@ -270,6 +270,8 @@ class _Run:
         if cfg.resume and not has_state:
             raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
         state = load_state(out, cfg) if cfg.resume else None
+        if state is not None and state.get("method", "pdm") != "pdm":
+            raise ValueError(f"--resume: {out} trains an {state['method']} head, not a PDM; pass --method {state['method']}")
         out.mkdir(parents=True, exist_ok=True)
         pdm = build_pdm(target, cfg)
         if state is not None:
