@@ -120,8 +120,6 @@ def measure(options: WallclockOptions) -> dict:
 
     from dataclasses import asdict
 
-    from .planner import acceptance_profile, predict
-
     o = options
     model, stages, split, draft_rank, drafters = o.model, o.stages, o.split, o.draft_rank, o.drafters
     max_new_tokens, threads, dtype, head, width = o.max_new_tokens, o.threads, o.dtype, o.head, o.tree_width
@@ -174,19 +172,8 @@ def measure(options: WallclockOptions) -> dict:
                 for name in (d for d in drafters if split_of[d] == chosen):
                     drafter = OracleDrafter(reference) if name == "oracle" else session.drafter(name)
                     out = session.generate(prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=())
-                    r, s = results[name], out.stats
-                    r["tokens"] += s.new_tokens - 1
-                    r["seconds"] += s.decode_seconds
-                    r["cycles"] += s.cycles
-                    r["accepted"] += s.accepted
-                    r["rejected"] += s.rejected
-                    r["verified_candidates"] += s.verified_candidates
-                    r["identical"] &= out.tokens == reference
-                    r["breakdowns"].append(s.breakdown)
-                    for key in ("verified_by_fill", "accepted_by_fill"):
-                        r[key] = [a + b for a, b in zip(r.get(key, [0] * stages), getattr(s, key))]
-                    r["draft_seconds"] = r.get("draft_seconds", 0.0) + s.pdm_seconds
-                    log.info("%s: %d tokens in %.2f s", name, s.new_tokens, s.decode_seconds)
+                    add_run(results[name], out, reference, stages)
+                    log.info("%s: %d tokens in %.2f s", name, out.stats.new_tokens, out.stats.decode_seconds)
     for r in results["ar"].values():
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
     best = max(results["ar"].values(), key=lambda r: r["tokens_per_second"])
@@ -200,19 +187,13 @@ def measure(options: WallclockOptions) -> dict:
         r["ratio_vs_ar_first_setting"] = r["tokens_per_second"] / all_cores
         r["ratio_vs_ar_all_cores"] = r["tokens_per_second"] / all_cores      # same total cores
         r["ratio_vs_ar_one_thread"] = r["tokens_per_second"] / one_thread    # one device
-        # the cost model: device costs measured before the run, this run's acceptance by fill, and
-        # the drafter's mean draft time in the run (a hybrid's depends on how often it skips the PDM)
-        draft_ms = 1000.0 * r.pop("draft_seconds") / max(1, r["cycles"]) / costs.contention
-        if width == 1:   # the model prices one token per stage per cycle
-            guess = predict(costs, r["split"], draft_rank, spec.head, acceptance_profile(r), name, draft_ms,
-                            new_tokens=max_new_tokens, lookahead=None if lookahead == "auto" else lookahead == "on")
-            r["predicted_tokens_per_second"] = guess.tokens_per_second
-            r["predicted_cycle_ms"] = guess.cycle_ms
-            r["prediction_error"] = guess.tokens_per_second / r["tokens_per_second"] - 1.0
         r["tokens_per_cycle"] = (r["tokens"] + len(ids)) / r["cycles"] if r["cycles"] else 0.0
         r["per_draft_acceptance"] = r["accepted"] / max(1, r["accepted"] + r["rejected"])   # per position in a tree
         r["mean_width"] = r["verified_candidates"] / max(1, r["accepted"] + r["rejected"])
         r["breakdown"] = weighted_breakdown(r.pop("breakdowns"))
+        draft_ms = 1000.0 * r.pop("draft_seconds") / max(1, r["cycles"]) / costs.contention
+        if width == 1:   # the model prices one token per stage per cycle
+            r.update(prediction(costs, r, name, draft_ms, spec.head, o, lookahead))
     results["settings"] = {"model": model, "stage_layers": sorted({tuple(r) for r in split_of.values()}), "draft_rank": draft_rank,
                            "processes": spec.layout.world_size, "cores": cores, "ar_threads": list(ar_threads),
                            "load_average_before": load_before,
@@ -224,6 +205,32 @@ def measure(options: WallclockOptions) -> dict:
                            "tree_width": width}
     results["costs"] = asdict(costs)
     return results
+
+
+def add_run(r: dict, out, reference: list[int], stages: int) -> None:
+    """Add one SPD generation's counts and times to its drafter's running totals `r`."""
+    s = out.stats
+    for key in ("cycles", "accepted", "rejected", "verified_candidates"):
+        r[key] += getattr(s, key)
+    r["tokens"] += s.new_tokens - 1      # the first token comes from prefill, as for AR
+    r["seconds"] += s.decode_seconds
+    r["identical"] &= out.tokens == reference
+    r["breakdowns"].append(s.breakdown)
+    for key in ("verified_by_fill", "accepted_by_fill"):
+        r[key] = [a + b for a, b in zip(r.get(key, [0] * stages), getattr(s, key))]
+    r["draft_seconds"] = r.get("draft_seconds", 0.0) + s.pdm_seconds
+
+
+def prediction(costs, r: dict, name: str, draft_ms: float, head: str, o: WallclockOptions, lookahead: str) -> dict:
+    """The cost model's tokens/s for one drafter's run: device costs measured before the run, the
+    run's acceptance by fill and the drafter's mean draft time in it (a hybrid's depends on how
+    often it skips the PDM)."""
+    from .planner import acceptance_profile, predict
+
+    guess = predict(costs, r["split"], o.draft_rank, head, acceptance_profile(r), name, draft_ms,
+                    new_tokens=o.max_new_tokens, lookahead=None if lookahead == "auto" else lookahead == "on")
+    return {"predicted_tokens_per_second": guess.tokens_per_second, "predicted_cycle_ms": guess.cycle_ms,
+            "prediction_error": guess.tokens_per_second / r["tokens_per_second"] - 1.0}
 
 
 def format_report(results: dict) -> str:
