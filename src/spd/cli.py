@@ -87,9 +87,12 @@ def generate(
     """Generate with SPD (in one process, or --distributed); print the text and the decode statistics."""
     _setup(threads, verbose, set_threads=not distributed)
     if distributed:
-        return _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k,
-                                     top_p, seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank,
-                                     devices, timeout, lookahead, drafter, tree_width)
+        return _generate_distributed(
+            model=model, prompt=prompt, prompt_ids=prompt_ids, stages=stages, split=split, pdm=pdm,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, raw=raw,
+            ignore_eos=ignore_eos, compare_ar=compare_ar, as_json=as_json, dtype=dtype, threads=threads,
+            draft_rank=draft_rank, devices=devices, timeout=timeout, lookahead=lookahead, drafter=drafter,
+            tree_width=tree_width)
     from . import engine
     from .baselines.ar import ar_generate
     from .loading import (build_decoder, check_device, check_prompt, context_length, encode_prompt, parse_dtype,
@@ -131,7 +134,7 @@ def generate(
         raise typer.Exit(1)
 
 
-def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k, top_p,
+def _generate_distributed(*, model, prompt, prompt_ids, stages, split, pdm, max_new_tokens, temperature, top_k, top_p,
                           seed, raw, ignore_eos, compare_ar, as_json, dtype, threads, draft_rank, devices, timeout,
                           lookahead, drafter, tree_width):
     from .loading import parse_int_list
@@ -145,7 +148,7 @@ def _generate_distributed(model, prompt, prompt_ids, stages, split, pdm, max_new
         out = distributed_generate(
             model, prompt, _prompt_ids(prompt, prompt_ids, stages), stages, parse_int_list(split, "--split"), pdm,
             SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), max_new_tokens,
-            raw, ignore_eos, compare_ar, draft_rank, text, dtype=dtype, devices=parse_devices(devices),
+            raw=raw, ignore_eos=ignore_eos, compare_ar=compare_ar, draft_rank=draft_rank, on_token_for=text, dtype=dtype, devices=parse_devices(devices),
             timeout=timeout, threads=threads, lookahead=lookahead, drafter=drafter, tree_width=tree_width)
     except (LayoutError, ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
