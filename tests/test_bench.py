@@ -217,3 +217,22 @@ def test_cli_bench_run_and_report(tmp_path, model_dir):
     missing = runner.invoke(app, ["bench", "run", "--model", str(model_dir), "--datasets", "nope",
                                   "--eval-dir", str(tmp_path), "--out", str(out)])
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
+
+
+def test_shipped_heads_are_found_for_the_default_target_only(tmp_path, monkeypatch):
+    """A head in assets/heads is what `spd bench run --model default` uses when no --eagle/--ppsd
+    is given (no untrained row); other models and missing heads fall back to untrained ones."""
+    from conftest import tiny_target
+    from spd import shipped
+    from spd.baselines.eagle import EagleHead
+    from spd.baselines.heads import save_head
+    from spd.bench.methods import build_runner
+
+    target = tiny_target(num_layers=4)
+    monkeypatch.setattr(shipped, "HEAD_ASSETS", tmp_path)
+    assert shipped.shipped_head("default", "eagle") is None
+    save_head(EagleHead.create(target, seed=1), tmp_path / "smollm2-135m-eagle")
+    assert shipped.shipped_head("default", "eagle") == str(tmp_path / "smollm2-135m-eagle")
+    assert shipped.shipped_head("other/model", "eagle") is None and shipped.shipped_head("default", "ppsd", 2) is None
+    assert not build_runner(MethodSpec.parse("eagle-k3"), target, "default").untrained
+    assert build_runner(MethodSpec.parse("eagle-k3"), target, "other/model").untrained

@@ -1,4 +1,5 @@
-"""PDM checkpoints that ship inside the spd package, for the embedded default target."""
+"""PDM checkpoints (and baseline draft heads) that ship inside the spd package, for the embedded
+default target."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets" / "pdm"
+HEAD_ASSETS = Path(__file__).parent / "assets" / "heads"   # smollm2-135m-eagle, smollm2-135m-ppsd-n<N>
 
 
 def shipped_pdm_dir(stage_layers: list[int]) -> Path:
@@ -42,6 +44,16 @@ def shipped_pdm(model: str, stages: int | None, split: list[int] | None) -> str 
         if fits_split(trained, config["anchors"], counts):
             return str(shipped_pdm_dir(trained))
     return None
+
+
+def shipped_head(model: str, method: str, stages: int | None = None) -> str | None:
+    """The shipped baseline head for `--model default`: "eagle", or "ppsd" for n = `stages`; None
+    when none ships (the benchmark then runs an untrained head and says so)."""
+    if model != "default":
+        return None
+    name = "smollm2-135m-eagle" if method == "eagle" else f"smollm2-135m-ppsd-n{stages}"
+    folder = HEAD_ASSETS / name
+    return str(folder) if (folder / "head_config.json").is_file() else None
 
 
 def demo_pdm(stages: int) -> str:

@@ -36,7 +36,7 @@ from ..pdm import PDM
 from ..retrieval import Gate, make_drafter
 from ..tree import TreeConfig
 from ..sampling import SamplingParams
-from ..shipped import shipped_pdm
+from ..shipped import shipped_head, shipped_pdm
 from ..target import Target, split_layers
 from . import costs
 
@@ -172,6 +172,7 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
         return Runner(spec, target, None, False, decode)
 
     if spec.kind == "eagle":
+        eagle = eagle or shipped_head(model, "eagle")
         head = load_head(eagle, target, "eagle") if eagle else None
         if head is None:
             log.warning("%s: no --eagle head given: a random head (almost every draft rejected)", spec.name)
@@ -207,7 +208,7 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
         gate = Gate.load(path) if path is not None else Gate()
         make = lambda: make_drafter("hybrid" if spec.retrieval else "pdm", pdm, gate)  # noqa: E731
     else:
-        path = _find(ppsds, n, lambda p: PPSDConfig.from_json(read_head_config(p)[1]).n_stages)
+        path = _find(ppsds, n, lambda p: PPSDConfig.from_json(read_head_config(p)[1]).n_stages) or shipped_head(model, "ppsd", n)
         if path is not None:
             head = load_head(path, target, "ppsd")
             stage_layers = list(head.config.stage_layers)
