@@ -33,7 +33,7 @@ from ..target import attention_mask, split_layers
 from ..train.data import plan_batches, split_eval
 from ..train.loop import TrainConfig, TrainSummary, lr_at, prepare_data
 from ..train.objective import DistillStats, distill, teacher_head, teacher_logits, vocab_index
-from ..train.session import STATE, StopSignal, load_state, save_state
+from ..train.session import STATE, StopSignal, run_state, save_state
 from .eagle import EagleHead
 from .heads import save_head
 from .ppsd import PPSDHead
@@ -154,17 +154,8 @@ def resume_state(cfg: TrainConfig, method: str, given: dict) -> tuple[dict, dict
     """(saved state or {}, head settings): a resumed run keeps its saved settings; one given that
     differs is refused, naming it (the run would not continue exactly)."""
     out = Path(cfg.out)
-    has_state = (out / STATE).is_file()
-    if has_state and not cfg.resume:
-        raise FileExistsError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
-    if cfg.resume and not has_state:
-        raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
-    state = load_state(out, cfg) if cfg.resume else {}
+    state = run_state(out, cfg, method)
     saved = state.get("head_settings", {})
-    if state and state.get("method", "pdm") != method:
-        was = state.get("method", "pdm")
-        raise ValueError(f"--resume: {out} trains {'a PDM' if was == 'pdm' else f'an {was} head'}, not {method}; "
-                         f"pass --method {was}")
     settings = {}
     for name, default in HEAD_DEFAULTS.items():
         value = given.get(name)

@@ -30,7 +30,7 @@ from .features import BatchLoader, FeatureStore
 from .layout import pdm_layout, sample_fills, structural_mask
 from .objective import (DistillStats, DraftForward, distill, scale_projections, teacher_head, teacher_logits,
                         vocab_index)
-from .session import STATE, Session, StopSignal, load_state, save_state
+from .session import STATE, Session, StopSignal, run_state, save_state
 
 log = logging.getLogger(__name__)
 
@@ -263,15 +263,7 @@ class _Run:
             from ..loading import parse_dtype
             from ..target import load_target
             target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
-        has_state = (out / STATE).is_file()
-        if has_state and not cfg.resume:
-            raise FileExistsError(f"{out} already holds a training run; pass --resume to continue it "
-                                  f"or choose another --out")
-        if cfg.resume and not has_state:
-            raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
-        state = load_state(out, cfg) if cfg.resume else None
-        if state is not None and state.get("method", "pdm") != "pdm":
-            raise ValueError(f"--resume: {out} trains an {state['method']} head, not a PDM; pass --method {state['method']}")
+        state = run_state(out, cfg) or None
         out.mkdir(parents=True, exist_ok=True)
         pdm = build_pdm(target, cfg)
         if state is not None:

@@ -108,6 +108,24 @@ def save_state(out: Path, state: dict) -> None:
     os.replace(tmp, out / STATE)
 
 
+def run_state(out: Path, cfg, method: str = "pdm") -> dict:
+    """The saved state of the run in `out` when `cfg.resume` ({} for a fresh run), after the checks
+    every training run makes: a fresh run does not overwrite one, a resumed one exists and trains
+    the same kind of model (`method`: "pdm", or a baseline head's name)."""
+    has_state = (out / STATE).is_file()
+    if has_state and not cfg.resume:
+        raise FileExistsError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
+    if cfg.resume and not has_state:
+        raise FileNotFoundError(f"--resume: {out} holds no training state ({STATE})")
+    state = load_state(out, cfg) if cfg.resume else {}
+    was = state.get("method", "pdm")
+    if state and was != method:
+        trains = "a PDM" if was == "pdm" else f"an {was} head"
+        raise ValueError(f"--resume: {out} trains {trains}, not {'a PDM' if method == 'pdm' else method}; "
+                         f"pass --method {was}")
+    return state
+
+
 def load_state(out: Path, cfg) -> dict:
     """The saved state, after checking that the settings that shape the run are unchanged."""
     state = torch.load(out / STATE, map_location="cpu", weights_only=True)
