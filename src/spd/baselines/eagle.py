@@ -281,20 +281,29 @@ def decode_rounds(target: Target, head: EagleHead, prompt_ids: list[int], round_
                 return
 
 
+def chain_drafts(state: Decoding, k: int, room: int, index: SuffixIndex | None, retrieval_min_len
+                 ) -> tuple[list[int], list, str]:
+    """The round's chain of at most min(k, room) drafts, their q's and its source: the tokens that
+    followed the sequence's suffix earlier when it matches >= retrieval_min_len tokens, else the head's."""
+    n_draft = min(k, room)
+    if index is not None and n_draft > 0:
+        index.sync(state.tokens, len(state.tokens) - 1)
+        if index.lookup()[1] >= retrieval_min_len:   # the head's forward is skipped this round
+            drafts = index.continuation(n_draft)
+            if drafts:
+                return drafts, [None] * len(drafts), "retrieval"
+    drafts, qs = draft_chain(state.head, state.head_cache, state.tokens, state.features, state.c, n_draft,
+                             state.params, state.gen)
+    state.stats.draft_forwards += n_draft
+    return drafts, qs, "head"
+
+
 def chain_round(state: Decoding, k: int, room: int, index: SuffixIndex | None, retrieval_min_len) -> list[int]:
     """k (at most `room`) chain drafts, one causal target forward over [x_c, d_1..d_k], crop."""
     target, stats, params, gen, tokens = state.target, state.stats, state.params, state.gen, state.tokens
-    c, device, n_draft = state.c, target.device, min(k, room)
+    c, device = state.c, target.device
     t = time.perf_counter()
-    drafts, source = [], "head"
-    if index is not None and n_draft > 0:
-        index.sync(tokens, len(tokens) - 1)
-        if index.lookup()[1] >= retrieval_min_len:   # the head's forward is skipped this round
-            drafts, source = index.continuation(n_draft), "retrieval"
-            qs = [None] * len(drafts)
-    if not drafts:
-        drafts, qs = draft_chain(state.head, state.head_cache, tokens, state.features, c, n_draft, params, gen)
-        stats.draft_forwards += n_draft
+    drafts, qs, source = chain_drafts(state, k, room, index, retrieval_min_len)
     stats.draft_seconds += time.perf_counter() - t
     t = time.perf_counter()
     block = torch.tensor([tokens[c]] + drafts, device=device)

@@ -1,4 +1,4 @@
-"""Acceptance of a PDM on a known greedy continuation, without running stages token by token.
+"""Acceptance of a drafter on a known greedy continuation, without running the target token by token.
 
 Greedy SPD emits the target's greedy continuation, so its whole run (which drafts are accepted,
 how many cycles) is fixed by that continuation and the PDM. `replay()` walks the engine's
@@ -10,15 +10,26 @@ dropped by the engine before it matters, so replay does not compute it.
 The counts equal the engine's up to floating-point noise between a full-sequence forward and
 token-by-token decoding (a near-tie may flip a draft); `tests/test_acceptance.py` checks they
 match the engine on tiny models. Use it to measure acceptance on hundreds of prompts; use the
-engine itself to check token identity.
+engine itself to check token identity. Post-step drafters (PPSD) get the features of the same
+cycle's stage step, as in the engine.
+
+`eagle_replay()` does the same for EAGLE-style chain and tree drafting: each round the real head
+drafts from the true features of the verified prefix (from the one forward), and the verification
+forward is replaced by rows whose argmax is the known next token, checked by the baseline's own
+`accept_prefix` / `accept_path`. Token trees of tree SPD (width > 1) cannot be replayed: the
+drafter scores every node of a level, including wrong ones, from their own hidden states.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..baselines.eagle import Decoding, EagleHead, EagleStats, accept_prefix, chain_drafts
+from ..baselines.eagle_tree import TreeOptions, accept_path, draft_tree
+from ..cache import KVCache
 from ..drafters import DraftState, draft_source
 from ..engine import SPDStats, store_snapshots
+from ..retrieval import SuffixIndex
 from ..sampling import SamplingParams
 from ..target import Target
 
@@ -69,7 +80,7 @@ def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[in
     drafted = {}                   # draft position -> (pipeline fill when drafted, its source)
     while stats.new_tokens < len(continuation):
         if wrong_inflight is None and newest + 1 < len(sequence):
-            state = DraftState(sequence[: newest + 1], first_inflight, n_stages, features)
+            state = DraftState(sequence[: newest + 1], first_inflight, n_stages, features, drafter.after_stages)
             draft, _ = drafter.draft(state, params, gen)
             drafted[newest + 1] = (newest - first_inflight + 1, draft_source(drafter))
             if draft != sequence[newest + 1]:
@@ -84,4 +95,57 @@ def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[in
             if checked == wrong_inflight:
                 newest, wrong_inflight = checked, None  # the corrected token restarts the pipeline
                 drafted.clear()
+    return stats
+
+
+def known_logits(sequence: list[int], positions, vocab_size: int) -> torch.Tensor:
+    """(len(positions), V) rows whose argmax is the token after each position: what a greedy
+    verification forward over the known continuation would decide."""
+    rows = torch.zeros(len(positions), vocab_size)
+    rows[torch.arange(len(positions)), torch.tensor([sequence[p + 1] for p in positions])] = 1.0
+    return rows
+
+
+@torch.inference_mode()
+def eagle_replay(target: Target, head: EagleHead, prompt_ids: list[int], continuation: list[int],
+                 max_new_tokens: int, k: int | None = None, tree: TreeOptions | None = None,
+                 retrieval_min_len: int | None = None, snapshots: dict | None = None) -> EagleStats:
+    """EAGLE-style statistics for greedy decoding of `continuation`: chains of k drafts (with the
+    retrieved chain of `eagle_stream` when retrieval_min_len is set) or trees of `tree`'s shape.
+    Rounds draft no further than `eagle.decode_rounds` would (its budget, `max_new_tokens`), nor
+    past the known tokens (only a continuation that ended at EOS can make that differ)."""
+    assert (k is None) != (tree is None)
+    sequence, vocab = list(prompt_ids) + list(continuation), target.vocab_size
+    if snapshots is None:
+        snapshots = sequence_snapshots(target, sequence, head.feature_layers)
+    features = torch.stack([snapshots[i] for i in head.feature_layers], 1)
+    depth = tree.depth if tree is not None else k
+    stats = EagleStats(depth, prompt_tokens=len(prompt_ids), new_tokens=1,
+                       verified_by_position=[0] * depth, accepted_by_position=[0] * depth)
+    params, gen = SamplingParams(), torch.Generator(device=target.device)
+    state = Decoding(target, head, params, gen, stats, sequence[:len(prompt_ids) + 1], None, KVCache([0]), features)
+    index = SuffixIndex() if retrieval_min_len is not None else None
+    while stats.new_tokens < len(continuation):
+        c = state.c
+        room = min(max_new_tokens - stats.new_tokens - 1, len(sequence) - 2 - c)
+        if tree is None:
+            drafts, qs, source = chain_drafts(state, k, room, index, retrieval_min_len)
+            accepted, token = accept_prefix(drafts, qs, known_logits(sequence, range(c, c + len(drafts) + 1), vocab),
+                                            params, gen, stats, source)
+            emitted = drafts[:accepted] + [token]
+            stats.count_forward(len(drafts) + 1)
+        else:
+            root, nodes, calls = draft_tree(head, state.head_cache, state.tokens, features, c, tree, params, depth=room)
+            stats.draft_forwards += calls
+            block = [root] + nodes
+            path, token = accept_path(root, nodes, known_logits(sequence, [n.position for n in block], vocab),
+                                      params, gen, stats)
+            emitted = [nodes[i].token for i in path] + [token]
+            stats.count_forward(len(block))
+        state.head_cache.crop(c)   # as the rounds do: rows on the head's own outputs are redone
+        stats.rounds += 1
+        emitted = emitted[:len(continuation) - stats.new_tokens]   # the decode stops at EOS / the budget
+        assert emitted == sequence[c + 1:c + 1 + len(emitted)]
+        state.tokens += emitted
+        stats.new_tokens += len(emitted)
     return stats
