@@ -236,3 +236,38 @@ def test_shipped_heads_are_found_for_the_default_target_only(tmp_path, monkeypat
     assert shipped.shipped_head("other/model", "eagle") is None and shipped.shipped_head("default", "ppsd", 2) is None
     assert not build_runner(MethodSpec.parse("eagle-k3"), target, "default").untrained
     assert build_runner(MethodSpec.parse("eagle-k3"), target, "other/model").untrained
+
+
+def test_bench_replay_gives_the_decoded_counts(tmp_path, evals, model_dir):
+    methods = METHODS + ",eagle-k4,spd-n3-w2"
+    decoded = run_bench(config(tmp_path / "decoded", evals, model_dir, methods=methods, temperatures=(0.0,),
+                               plots=False))
+    replayed = run_bench(config(tmp_path / "replayed", evals, model_dir, methods=methods, temperatures=(0.0,),
+                                plots=False, replay=True, engine_check=1))
+    assert decoded.greedy_mismatches == replayed.greedy_mismatches == 0
+    real = {(r["method"], r["dataset"], r["question_id"]): r for r in read_records(tmp_path / "decoded" / "per_prompt.jsonl")}
+    counts = ("tokens", "cycles", "target_forwards", "draft_forwards", "verified", "accepted", "verified_by_position",
+              "accepted_by_position", "drafts_by_source", "draft_tokens", "verify_sizes", "stage_tokens")
+    seen = {"replayed": 0, "checked": 0}
+    for r in read_records(tmp_path / "replayed" / "per_prompt.jsonl"):
+        first = r["question_id"] == 0   # engine_check=1: each dataset's first prompt decodes for real
+        if r["kind"] == "ar" or r["method"] == "spd-n3-w2":   # AR is the reference; trees cannot be replayed
+            assert "replayed" not in r and r["decode_seconds"] is not None
+            continue
+        if first:
+            assert r["replay_agrees"] is True and r["matches_ar"] is True and r["decode_seconds"] > 0
+            seen["checked"] += 1
+        else:
+            assert r["replayed"] is True and r["matches_ar"] is None and r["decode_seconds"] is None
+            seen["replayed"] += 1
+        want = real[(r["method"], r["dataset"], r["question_id"])]
+        assert {f: r.get(f) for f in counts} == {f: want.get(f) for f in counts}, r["method"]
+    assert seen == {"checked": 2 * 8, "replayed": 3 * 8}   # 8 replayable methods
+    rows = {r["method"]: r for r in replayed.summary if r["dataset"] == OVERALL}
+    want = {r["method"]: r for r in decoded.summary if r["dataset"] == OVERALL}
+    for method, row in rows.items():   # (the draft costs are timed per run: compare counts)
+        assert row["mean_accepted_length"] == pytest.approx(want[method]["mean_accepted_length"]), method
+        assert row["per_draft_acceptance"] == want[method]["per_draft_acceptance"]
+    assert rows["spd-n2"]["replayed"] == 3 and rows["spd-n2"]["replay_agreed"] == rows["spd-n2"]["replay_checked"] == 2
+    assert rows["spd-n2"]["tokens_per_second"] > 0   # from the two decoded prompts
+    assert "(+3 replayed; replay = decode 2/2)" in (tmp_path / "replayed" / "summary.md").read_text()

@@ -86,11 +86,13 @@ def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[in
             if draft != sequence[newest + 1]:
                 wrong_inflight = newest + 1
         stats.cycles += 1
+        stats.stage_tokens += newest - first_inflight + 1   # every in-flight token ran one stage
         newest += 1
         if newest - first_inflight == n_stages:  # the oldest finished: verify the next position
             checked = first_inflight + 1
             first_inflight = checked
             stats.new_tokens += 1
+            stats.verified_candidates += 1
             stats.count(*drafted.pop(checked), checked != wrong_inflight)
             if checked == wrong_inflight:
                 newest, wrong_inflight = checked, None  # the corrected token restarts the pipeline

@@ -28,6 +28,11 @@ def bench_run(
     eagle: Optional[str] = typer.Option(None, help="EAGLE-style head for every eagle-k<K> and eagle-tree-b<B> (default: a random head)."),
     seed: int = typer.Option(0, help="Base seed of the per-prompt sampling seeds."),
     cost_context: int = typer.Option(256, min=1, help="Cached positions when timing draft vs target forwards."),
+    replay: bool = typer.Option(False, help="Greedy records of the drafting methods from a replay over AR's tokens "
+                                            "(one target forward per prompt, the real drafters; no timings): "
+                                            "hundreds of prompts at about one AR decode each. Tree SPD still decodes."),
+    engine_check: int = typer.Option(3, min=0, help="With --replay: the first N prompts of each dataset also "
+                                                    "decode for real (tokens checked against AR, counts against the replay)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", help="cpu or cuda:0."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
@@ -50,7 +55,8 @@ def bench_run(
                           eval_dir=eval_dir, data=tuple(data), temperatures=temps, limit=limit,
                           max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, pdm=tuple(pdm),
                           ppsd=tuple(ppsd), eagle=eagle, seed=seed, dtype=dtype, device=device,
-                          cost_context=cost_context, progress=progress, plots=plots)
+                          cost_context=cost_context, replay=replay, engine_check=engine_check,
+                          progress=progress, plots=plots)
         result = run_bench(cfg)
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))

@@ -8,6 +8,13 @@ where it stopped and `--limit` can grow. OUT/run.json keeps the settings that sh
 records (a resume with others fails naming the setting) and the measured draft costs.
 At the end OUT/summary.json, OUT/summary.md and the plots are written from all the records.
 
+With `replay`, greedy records of every method but AR and tree SPD come from a replay over AR's
+tokens (`spd.bench.acceptance`: one target forward per prompt, then the method's real drafter; no
+timings), except on the first `engine_check` prompts of each dataset, where the method runs as
+usual (tokens checked against AR) and its record says whether the replay's counts agreed
+(`replay_agrees`; a near-tie between the full forward and step-by-step decoding may flip a draft).
+Hundreds of prompts then cost about one AR decode each instead of one decode per method.
+
 Prompts: EAGLE-format question files (`question_id`, `turns`; the first turn, rendered with
 the chat template). A record may carry `prompt_ids` instead (token ids; for models without a
 tokenizer).
@@ -24,12 +31,14 @@ from pathlib import Path
 
 from ..sampling import SamplingParams
 from . import costs
+from .acceptance import sequence_snapshots
 from .methods import MethodSpec, build_runner, parse_methods, warm_up
 
 log = logging.getLogger(__name__)
 
 DATASETS = ("mt_bench", "gsm8k", "humaneval")
 RECORDS, RUN, SUMMARY_JSON, SUMMARY_MD = "per_prompt.jsonl", "run.json", "summary.json", "summary.md"
+REPLAY_COUNTS = ("cycles", "target_forwards", "draft_forwards", "verified", "accepted")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cost_context: int = 256                   # cached positions when timing draft forwards
+    replay: bool = False                      # greedy records from a replay over AR's tokens
+    engine_check: int = 3                     # ... except the first N prompts of each dataset
     progress: bool = True
     plots: bool = True
 
@@ -200,17 +211,31 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
     for runner in {w[2].name: runners[w[2].name] for w in todo}.values():
         warm_up(runner, target.vocab_size)
     new, ids_of = 0, {}
+    rank = {(p.dataset, str(p.question_id)): i for name, _ in dataset_files(cfg)
+            for i, p in enumerate(q for q in prompts if q.dataset == name)}
+    anchors = sorted({a for r in runners.values() for a in r.replay_anchors})
+    snapshots = {}   # the latest prompt's hidden states, shared by its replays
     with open(records_path, "a", encoding="utf-8") as fh:
         for prompt, temperature, spec in todo:
             key = (prompt.dataset, str(prompt.question_id))
             if key not in ids_of:
                 ids_of[key] = encode(prompt, tokenizer)
-            ids = ids_of[key]
+            ids, runner = ids_of[key], runners[spec.name]
             params = SamplingParams(temperature=temperature,
                                     seed=prompt_seed(cfg.seed, prompt.dataset, prompt.question_id, temperature))
             bar.set_postfix_str(f"{prompt.dataset} T={temperature:g} {spec.name}")
-            fields = runners[spec.name].run(ids, params, cfg.max_new_tokens, eos)
-            record = _record(spec, prompt, temperature, ids, fields, reference, runners[spec.name])
+            ar_tokens = reference.get((prompt.dataset, float(temperature), str(prompt.question_id)))
+            replaying = cfg.replay and temperature == 0 and runner.replayable and ar_tokens is not None
+            if replaying and key not in snapshots:
+                snapshots = {key: sequence_snapshots(target, ids + ar_tokens, anchors)}
+            if replaying and rank[key] >= cfg.engine_check:
+                fields = {**runner.replay(ids, ar_tokens, cfg.max_new_tokens, snapshots[key]), "replayed": True}
+            else:
+                fields = runner.run(ids, params, cfg.max_new_tokens, eos)
+                if replaying:
+                    again = runner.replay(ids, ar_tokens, cfg.max_new_tokens, snapshots[key])
+                    fields["replay_agrees"] = all(fields[f] == again[f] for f in REPLAY_COUNTS)
+            record = _record(spec, prompt, temperature, ids, fields, reference, runner)
             if spec.kind == "ar":
                 reference[(prompt.dataset, float(temperature), str(prompt.question_id))] = record["tokens"]
             fh.write(json.dumps(record) + "\n")
@@ -231,7 +256,7 @@ def _record(spec: MethodSpec, prompt: Prompt, temperature: float, ids, fields: d
     tokens = fields["tokens"]
     ref = reference.get((prompt.dataset, float(temperature), str(prompt.question_id)))
     matches = None
-    if temperature == 0 and spec.kind != "ar" and ref is not None:
+    if temperature == 0 and spec.kind != "ar" and ref is not None and not fields.get("replayed"):
         matches = tokens == ref
     tree = None if spec.tree is None else {"budget": spec.tree.budget, "depth": spec.tree.depth,
                                            "top_k": spec.tree.top_k}

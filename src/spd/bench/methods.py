@@ -15,6 +15,10 @@ every method; a field a method has no notion of is None):
 "position" is where a draft sat: for SPD / PPSD the pipeline fill when it was drafted
 (1..n, n = steady state), for EAGLE-style drafting its index in the chain (1..k) or its depth in
 the tree.
+
+Greedy records can also come from a replay over AR's tokens (`spd.bench.acceptance`): `Runner.replay`
+gives the same count fields from the hidden states of one target forward (`replay_anchors`), with
+no timings (None); tree SPD (width > 1) has none.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..baselines.ar import ar_generate
 from ..baselines.eagle import EagleHead, eagle_generate
 from ..baselines.eagle_tree import TreeOptions, eagle_tree_generate
 from ..baselines.heads import load_head, read_head_config
+from .acceptance import eagle_replay, replay
 from ..baselines.ppsd import PPSDDrafter, PPSDHead, PPSDConfig
 from ..checkpoint import load_pdm, read_config
 from ..engine import generate
@@ -125,9 +130,21 @@ class Runner:
     untrained: bool
     _decode: object = None
     _probe: object = None
+    _replay: object = None              # (prompt, continuation, max_new, snapshots) -> record fields
+    replay_anchors: tuple[int, ...] = ()   # hidden-state indices the replay reads
 
     def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, eos) -> dict:
         return self._decode(prompt_ids, params, max_new_tokens, eos)
+
+    @property
+    def replayable(self) -> bool:
+        return self._replay is not None
+
+    def replay(self, prompt_ids: list[int], continuation: list[int], max_new_tokens: int, snapshots: dict) -> dict:
+        """Greedy record fields for decoding `continuation` (AR's tokens), without decoding."""
+        fields = self._replay(prompt_ids, continuation, max_new_tokens, snapshots)
+        return {**fields, "tokens": list(continuation), "prefill_seconds": None, "decode_seconds": None,
+                "draft_seconds": None}
 
     def draft_step(self, context: int):
         """A callable making one steady-state draft forward, or None (AR drafts nothing)."""
@@ -140,15 +157,24 @@ class Runner:
                 "checkpoint": self.checkpoint, "untrained": self.untrained}
 
 
-def _pipeline_record(result) -> dict:
-    s = result.stats
-    return {"tokens": result.tokens, "cycles": s.cycles, "target_forwards": None,
+def _pipeline_record(tokens: list[int], s) -> dict:
+    return {"tokens": tokens, "cycles": s.cycles, "target_forwards": None,
             "draft_forwards": s.cycles, "verified": s.accepted + s.rejected, "accepted": s.accepted,
             "drafts_by_source": s.drafts_by_source,
             "verified_by_position": list(s.verified_by_fill), "accepted_by_position": list(s.accepted_by_fill),
             "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
             "draft_seconds": s.pdm_seconds, "tree_width": s.tree_width, "mean_width": s.mean_width,
             "stage_tokens": s.stage_tokens}
+
+
+def _eagle_record(tokens: list[int], s) -> dict:
+    return {"tokens": tokens, "cycles": None, "target_forwards": s.rounds,
+            "draft_forwards": s.draft_forwards, "verified": s.verified, "accepted": s.accepted,
+            "drafts_by_source": s.drafts_by_source,
+            "verified_by_position": s.verified_by_position, "accepted_by_position": s.accepted_by_position,
+            "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
+            "draft_seconds": s.draft_seconds, "draft_tokens": s.draft_tokens,
+            "verify_sizes": s.verify_sizes}
 
 
 def _find(paths, n: int, read_n) -> str | None:
@@ -178,22 +204,22 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
             log.warning("%s: no --eagle head given: a random head (almost every draft rejected)", spec.name)
             head = EagleHead.create(target).eval()
 
+        min_len = EAGLE_RETRIEVAL_MIN_LEN if spec.retrieval else None
+
         def decode(prompt, params, max_new, eos):
             if spec.tree is not None:
                 tokens, s = eagle_tree_generate(target, head, prompt, spec.tree, params, max_new, eos)
             else:
-                tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos,
-                                           EAGLE_RETRIEVAL_MIN_LEN if spec.retrieval else None)
-            return {"tokens": tokens, "cycles": None, "target_forwards": s.rounds,
-                    "draft_forwards": s.draft_forwards, "verified": s.verified, "accepted": s.accepted,
-                    "drafts_by_source": s.drafts_by_source,
-                    "verified_by_position": s.verified_by_position, "accepted_by_position": s.accepted_by_position,
-                    "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
-                    "draft_seconds": s.draft_seconds, "draft_tokens": s.draft_tokens,
-                    "verify_sizes": s.verify_sizes}
+                tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos, min_len)
+            return _eagle_record(tokens, s)
+
+        def replayed(prompt, continuation, max_new, snapshots):
+            k = None if spec.tree is not None else spec.k
+            return _eagle_record(continuation, eagle_replay(target, head, prompt, continuation, max_new, k, spec.tree,
+                                                            min_len, snapshots))
         probe = (lambda context: costs.eagle_tree_draft_step(target, head, spec.tree, context)) if spec.tree \
             else (lambda context: costs.eagle_draft_step(target, head, context))
-        return Runner(spec, target, eagle, eagle is None, decode, probe)
+        return Runner(spec, target, eagle, eagle is None, decode, probe, replayed, tuple(head.feature_layers))
 
     n = spec.n
     if spec.kind == "spd":
@@ -220,10 +246,14 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
     stages = split_layers(target.num_layers, n, stage_layers)
 
     def decode(prompt, params, max_new, eos):
-        return _pipeline_record(generate(target, make(), prompt, stages, params, max_new, eos,
-                                         tree=TreeConfig(spec.width)))
+        result = generate(target, make(), prompt, stages, params, max_new, eos, tree=TreeConfig(spec.width))
+        return _pipeline_record(result.tokens, result.stats)
+
+    def replayed(prompt, continuation, max_new, snapshots):
+        return _pipeline_record(continuation, replay(target, make(), prompt, continuation, n, snapshots))
     return Runner(spec, target, path, path is None, decode,
-                  lambda context: costs.pipeline_draft_step(target, make(), n, context))
+                  lambda context: costs.pipeline_draft_step(target, make(), n, context),
+                  replayed if spec.width == 1 else None, tuple(make().anchors))
 
 
 @torch.inference_mode()

@@ -14,7 +14,10 @@ recompute them:
   measured v_T (costs.measured_decode_cost; None where not measured)
 - mean_tree_size (EAGLE-style) = drafts sent to the target per target forward (chain: up to k,
   tree: up to its budget B)
-- wall_clock_ratio = tokens_per_second / AR's tokens_per_second over the same prompts
+- wall_clock_ratio = tokens_per_second / AR's tokens_per_second over the same prompts (records
+  with timings only: replayed ones have none)
+- replayed = records from a greedy replay over AR's tokens (`spd bench run --replay`);
+  replay_checked / replay_agreed = decoded records whose replay was also run / gave equal counts
 - acceptance_by_position[i] = accepted / verified drafts at position i+1 (fill or chain index)
 """
 
@@ -33,7 +36,8 @@ FIELDS = ("method", "kind", "n", "k", "dataset", "temperature", "prompts", "new_
           "measured_cost_speedup", "mean_tree_size", "decode_seconds",
           "tokens_per_second", "ar_tokens_per_second", "wall_clock_ratio", "greedy_checked",
           "greedy_mismatches", "verified_by_position", "acceptance_by_position", "untrained",
-          "retrieval_share", "acceptance_by_source", "retrieval_ms")
+          "retrieval_share", "acceptance_by_source", "retrieval_ms", "replayed", "replay_checked",
+          "replay_agreed")
 
 
 def _ratio(a, b):
@@ -53,7 +57,8 @@ def summarize_group(records: list[dict], dataset: str, fraction: float, ar_recor
     kind, n = first["kind"], first["n"]
     decode_tokens = sum(r["decode_tokens"] for r in records)
     new_tokens = sum(r["new_tokens"] for r in records)
-    seconds = sum(r["decode_seconds"] for r in records)
+    timed = [r for r in records if r["decode_seconds"] is not None]
+    seconds = sum(r["decode_seconds"] for r in timed)
     cycles = sum(r["cycles"] for r in records) if kind in ("spd", "ppsd") else None
     forwards = sum(r["target_forwards"] for r in records) if kind in ("ar", "eagle") else None
     verified, accepted = sum(r["verified"] for r in records), sum(r["accepted"] for r in records)
@@ -69,8 +74,8 @@ def summarize_group(records: list[dict], dataset: str, fraction: float, ar_recor
         mean_len = _ratio(n * decode_tokens, cycles)
     by_verified = _sum_lists([r["verified_by_position"] for r in records])
     by_accepted = _sum_lists([r["accepted_by_position"] for r in records])
-    tps = _ratio(decode_tokens, seconds)
-    asked = {str(r["question_id"]) for r in records}
+    tps = _ratio(sum(r["decode_tokens"] for r in timed), seconds)
+    asked = {str(r["question_id"]) for r in timed}
     same = [r for r in ar_records if str(r["question_id"]) in asked]
     ar_tps = _ratio(sum(r["decode_tokens"] for r in same), sum(r["decode_seconds"] for r in same))
     checked = [r for r in records if r.get("matches_ar") is not None]
@@ -95,6 +100,9 @@ def summarize_group(records: list[dict], dataset: str, fraction: float, ar_recor
         "verified_by_position": by_verified,
         "acceptance_by_position": [_ratio(a, v) for a, v in zip(by_accepted, by_verified)],
         "untrained": any(r.get("untrained") for r in records),
+        "replayed": sum(1 for r in records if r.get("replayed")),
+        "replay_checked": sum(1 for r in records if r.get("replay_agrees") is not None),
+        "replay_agreed": sum(1 for r in records if r.get("replay_agrees")),
         **by_source(records),
     }
 
@@ -155,6 +163,8 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         steps = r["cycles"] if r["cycles"] is not None else r["target_forwards"]
         greedy = f"{r['greedy_checked'] - r['greedy_mismatches']}/{r['greedy_checked']}" if r["greedy_checked"] else "-"
+        if r.get("replayed"):
+            greedy += f" (+{r['replayed']} replayed; replay = decode {r['replay_agreed']}/{r['replay_checked']})"
         name = r["method"] + (" (untrained)" if r["untrained"] else "")
         by_source = ", ".join(f"{k} {_fmt(v)}" for k, v in (r.get("acceptance_by_source") or {}).items()) or "-"
         lines.append(f"| {name} | {r['dataset']} | {r['temperature']:g} | {r['prompts']} | {r['new_tokens']} | "
