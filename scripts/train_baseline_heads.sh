@@ -32,6 +32,7 @@ one() {  # name, extra args
   done
   wait $pid; echo "   rc=$? $(date +%T)" >> train.log
 }
+# ppsd-n4 before ppsd-n2: `spd bench run`'s default methods use n=4
 one eagle --method eagle
-one ppsd-n2 --method ppsd --stages 2
 one ppsd-n4 --method ppsd --stages 4 --split 8,8,7,7
+one ppsd-n2 --method ppsd --stages 2

@@ -171,6 +171,17 @@ def test_head_checkpoint_round_trip_and_mismatch(tmp_path):
         assert type(loaded) is type(head) and loaded.config == head.config
         for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
             assert torch.equal(a, b), name
+    # shipped form: bf16, and the frozen lm_head rows left to the target
+    head = PPSDHead.create(target, [1, 3], draft_ids=draft_ids)
+    folder = save_head(head, tmp_path / "slim", dtype=torch.bfloat16, target=target)
+    loaded = load_head(folder, target, "ppsd")
+    assert torch.equal(loaded.lm_head.proj.weight, head.lm_head.proj.weight)   # restored exactly
+    assert torch.equal(loaded.layers[0].mlp.up_proj.weight, head.layers[0].mlp.up_proj.weight.bfloat16().float())
+    with torch.no_grad():
+        head.lm_head.proj.weight[0, 0] += 1.0   # trained rows are kept
+    save_head(head, tmp_path / "trained", target=target)
+    assert torch.equal(load_head(tmp_path / "trained", target).lm_head.proj.weight, head.lm_head.proj.weight)
+    assert (tmp_path / "trained" / "head.safetensors").stat().st_size > (folder / "head.safetensors").stat().st_size
     with pytest.raises(HeadCheckpointError, match="'ppsd' head"):
         load_head(tmp_path / "eagle", target, "ppsd")
     other = Target.from_hf(tiny_model("llama", num_layers=6))

@@ -2,7 +2,10 @@
 
 A head checkpoint is a folder with `head.safetensors` and `head_config.json`; the JSON names the
 method ("eagle" or "ppsd"), the head's config and the target fingerprint, so loading a head onto
-another target fails with the field that differs instead of a shape error inside torch.
+another target fails with the field that differs instead of a shape error inside torch. A head
+whose lm_head rows are still the target's (frozen in training, the default) may leave them out
+(`"lm_head": "target"`): loading copies them from the target again, so a shipped head is ~half
+the size.
 """
 
 from __future__ import annotations
@@ -73,22 +76,36 @@ def check_target(fingerprint: TargetFingerprint, target: Target, where: str) -> 
                 f"this model (spd.baselines.train_heads).")
 
 
-def save_head(head: nn.Module, folder) -> Path:
-    """Write a head's weights and {"method", "config"} JSON."""
+LM_HEAD = "lm_head.proj.weight"
+
+
+def save_head(head: nn.Module, folder, dtype: torch.dtype | None = None, target: Target | None = None) -> Path:
+    """Write a head's weights (cast to `dtype` if given) and {"method", "config"} JSON. With the
+    `target`, lm_head rows equal to the target's own are not written (loading restores them)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in head.state_dict().items()}
+    from_target = target is not None and torch.equal(
+        state[LM_HEAD], target.lm_head.weight[head.lm_head.draft_ids.to(target.device)].to(state[LM_HEAD]))
+    if from_target:
+        del state[LM_HEAD]
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     save_file(state, str(folder / WEIGHTS))
-    meta = {"method": head.METHOD, "config": head.config.to_json()}
+    meta = {"method": head.METHOD, "config": head.config.to_json(), **({"lm_head": "target"} if from_target else {})}
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     return folder
 
 
-def read_head_config(folder) -> tuple[str, dict]:
+def read_head_meta(folder) -> dict:
     path = Path(folder) / CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{folder} is not a draft-head checkpoint: {CONFIG} is missing")
-    meta = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def read_head_config(folder) -> tuple[str, dict]:
+    meta = read_head_meta(folder)
     return meta["method"], meta["config"]
 
 
@@ -98,7 +115,8 @@ def load_head(folder, target: Target, method: str | None = None) -> nn.Module:
     from .ppsd import PPSDConfig, PPSDHead
 
     kinds = {"eagle": (EagleConfig, EagleHead), "ppsd": (PPSDConfig, PPSDHead)}
-    found, data = read_head_config(folder)
+    meta = read_head_meta(folder)
+    found, data = meta["method"], meta["config"]
     if method is not None and found != method:
         raise HeadCheckpointError(f"{folder} holds a {found!r} head, but a {method!r} head was asked for")
     if found not in kinds:
@@ -108,6 +126,9 @@ def load_head(folder, target: Target, method: str | None = None) -> nn.Module:
     check_target(config.target, target, f"{found} head {folder}")
     head = head_cls(config, target)
     missing, unexpected = head.load_state_dict(load_file(str(Path(folder) / WEIGHTS)), strict=False)
+    if meta.get("lm_head") == "target" and missing == [LM_HEAD]:   # stored without the target's rows
+        missing = []
+        head.lm_head.proj.weight.data.copy_(target.lm_head.weight[head.lm_head.draft_ids.to(target.device)])
     if missing or unexpected:
         raise HeadCheckpointError(f"{folder} does not fit its own config: missing {missing}, "
                                   f"unexpected {unexpected}")
