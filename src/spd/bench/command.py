@@ -6,13 +6,16 @@ from typing import List, Optional
 
 import typer
 
+from .methods import DEFAULT_METHODS
+
 
 def bench_run(
     out: str = typer.Option(..., help="Output folder (per_prompt.jsonl, summary.json/.md, run.json, plots); "
                                       "run again with the same folder to resume."),
     model: str = typer.Option("default", help="Target model folder, hub id, or 'default' (SmolLM2-135M-Instruct)."),
-    methods: str = typer.Option("ar,spd-n2,spd-n4,ppsd-n4,eagle-k3,eagle-k5",
-                                help="Comma-separated: ar, spd-n<N>, ppsd-n<N>, eagle-k<K>, eagle-tree-b<B> "
+    methods: str = typer.Option(DEFAULT_METHODS,
+                                help="Comma-separated: ar, spd-n<N>, spd-n<N>-w<W> (token tree), ppsd-n<N>, "
+                                     "eagle-k<K>, eagle-tree-b<B>, and spd-n<N>+retrieval / eagle-k<K>+retrieval "
                                      "(AR always runs)."),
     datasets: str = typer.Option("mt_bench,gsm8k,humaneval", help="Folders under --eval-dir holding question.jsonl ('' for none)."),
     eval_dir: Optional[str] = typer.Option(None, help="Folder of the datasets (default $SPD_EVAL_DATA, else ../shared/eval_data)."),

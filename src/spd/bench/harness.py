@@ -32,7 +32,7 @@ from pathlib import Path
 from ..sampling import SamplingParams
 from . import costs
 from .acceptance import sequence_snapshots
-from .methods import MethodSpec, build_runner, parse_methods, warm_up
+from .methods import DEFAULT_METHODS, MethodSpec, build_runner, parse_methods, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ REPLAY_COUNTS = ("cycles", "target_forwards", "draft_forwards", "verified", "acc
 class BenchConfig:
     out: str
     model: str = "default"
-    methods: str = "ar,spd-n2,spd-n4,ppsd-n4,eagle-k3,eagle-k5"
+    methods: str = DEFAULT_METHODS
     datasets: tuple[str, ...] = DATASETS      # folders under eval_dir holding question.jsonl
     eval_dir: str | None = None               # default: $SPD_EVAL_DATA, else ../shared/eval_data
     data: tuple[str, ...] = ()                # extra question files (EAGLE format)

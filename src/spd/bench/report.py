@@ -174,6 +174,7 @@ def markdown(rows: list[dict]) -> str:
                      f"{_fmt(r['theoretical_speedup'])} | {_fmt(r.get('verify_cost_fraction'))} | "
                      f"{_fmt(r.get('measured_cost_speedup'))} | "
                      f"{_fmt(r['tokens_per_second'], 1)} | {_fmt(r['wall_clock_ratio'])} | {greedy} |")
+    lines += ["", paper_table(rows)]
     for t in sorted({r["temperature"] for r in rows}):
         datasets = [d for d in dict.fromkeys(r["dataset"] for r in rows if r["temperature"] == t)]
         datasets = [OVERALL] + [d for d in datasets if d != OVERALL]
@@ -185,6 +186,31 @@ def markdown(rows: list[dict]) -> str:
                      if (method, d) in by else "-" for d in datasets]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def paper_table(rows: list[dict]) -> str:
+    """The paper's form: per temperature, method and dataset the theoretical speedup, the mean
+    accepted length tau and the per-draft acceptance alpha; overall also at the measured verify cost."""
+    lines = []
+    for t in sorted({r["temperature"] for r in rows}):
+        mine = [r for r in rows if r["temperature"] == t]
+        datasets = [d for d in dict.fromkeys(r["dataset"] for r in mine) if d != OVERALL] + [OVERALL]
+        by = {(r["method"], r["dataset"]): r for r in mine}
+        lines += [f"speedup (common cost model) / mean accepted length tau / per-draft acceptance alpha, T={t:g}", "",
+                  "| method | " + " | ".join(datasets) + " | overall at measured verify cost |",
+                  "|---|" + "---|" * (len(datasets) + 1)]
+        for method in dict.fromkeys(r["method"] for r in mine):
+            cells = []
+            for d in datasets:
+                r = by.get((method, d))
+                cells.append("-" if r is None else f"{_fmt(r['theoretical_speedup'])}x / "
+                             f"{_fmt(r['mean_accepted_length'])} / {_fmt(r['per_draft_acceptance'])}")
+            overall = by.get((method, OVERALL))
+            measured = _fmt(overall.get("measured_cost_speedup")) + "x" if overall and overall.get("measured_cost_speedup") else "-"
+            untrained = " (untrained)" if overall and overall["untrained"] else ""
+            lines.append(f"| {method}{untrained} | " + " | ".join(cells) + f" | {measured} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def write_report(out: Path, rows: list[dict], plots: bool = True) -> None:
