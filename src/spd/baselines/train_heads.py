@@ -23,10 +23,11 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from ..target import attention_mask, split_layers
@@ -178,74 +179,41 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
     out = Path(cfg.out)
     state, settings = resume_state(cfg, method, dict(ttt_steps=ttt_steps, train_lm_head=train_lm_head,
                                                      feature_layers=list(feature_layers) if feature_layers else None))
-    ttt_steps, feature_layers, train_lm_head = settings["ttt_steps"], settings["feature_layers"], settings["train_lm_head"]
     if target is None:
         from ..loading import parse_dtype
         from ..target import load_target
         target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), cfg.device)
-    head = build_head(target, cfg, method, feature_layers)
-    head.lm_head.requires_grad_(train_lm_head)
+    head = build_head(target, cfg, method, settings["feature_layers"])
+    head.lm_head.requires_grad_(settings["train_lm_head"])
     if state:
         head.load_state_dict(state["head"])
     tokens, loader = prepare_data(cfg, target, tokenizer, head_anchors(head))
     train_idx, eval_idx = split_eval(len(tokens), cfg.eval_fraction, cfg.seed)
-    per_epoch = len(plan_batches(train_idx, tokens.lengths, cfg.batch_tokens, seed=cfg.seed * 100003))
-    total = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * per_epoch / cfg.grad_accum))
+    batches = EpochBatches(train_idx, tokens.lengths, cfg.batch_tokens, cfg.seed)
+    total = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * len(batches.plan(0)) / cfg.grad_accum))
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if state:
         optimizer.load_state_dict(state["optimizer"])
-    adapter = SimpleNamespace(config=head.config, draft_ids=head.lm_head.draft_ids)
-    teacher, index = teacher_head(target, adapter), vocab_index(adapter, target.vocab_size)
-
-    def loss_of(indices):
-        batch = loader(indices)
-        ids, _ = tokens.padded(indices, device=target.device)
-        if method == "eagle":
-            return eagle_loss(head, target, batch, ids, teacher, index, cfg.temperature, ttt_steps) + (batch.tokens,)
-        return ppsd_loss(head, target, batch, ids, teacher, index, cfg.temperature) + (batch.tokens,)
-
-    def epoch_batches(epoch: int) -> list:
-        return plan_batches(train_idx, tokens.lengths, cfg.batch_tokens, seed=cfg.seed * 100003 + epoch)
+    loss_of = head_loss(method, head, target, tokens, loader, temperature=cfg.temperature,
+                        ttt_steps=settings["ttt_steps"])
 
     out.mkdir(parents=True, exist_ok=True)
-    step, epoch = state.get("step", 0), state.get("epoch", -1)
-    batches = epoch_batches(epoch)[:state["batches_left"]] if state else []   # popped from the end
+    step = state.get("step", 0)
+    if state:
+        batches.resume(state.get("epoch", -1), state["batches_left"])
     summary = TrainSummary(str(out), step, total, tokens=state.get("tokens", 0), seconds=state.get("seconds", 0.0))
     end = min(total, step + cfg.stop_after) if cfg.stop_after else total
     log.info("training a %s head for %s: %d train / %d eval sequences, steps %d..%d of %d", method, cfg.model,
              len(train_idx), len(eval_idx), step, end, total)
-
-    def save() -> None:
-        save_state(out, {"method": method, "head_settings": settings, "step": step, "epoch": epoch, "batches_left": len(batches),
-                         "head": head.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(cfg),
-                         "tokens": summary.tokens, "seconds": summary.seconds})
 
     from tqdm.auto import tqdm  # progress bar over steps (core dependency)
     bar = tqdm(total=total, initial=step, desc=f"train {method}", unit="step", disable=not cfg.progress, dynamic_ncols=True)
     t0, seconds_before, window = time.perf_counter(), summary.seconds, DistillStats()
     with StopSignal() as stop:
         while step < end and not stop.reason:
-            head.train()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg, total)
-            counted = 0
-            for _ in range(cfg.grad_accum):
-                if not batches:
-                    epoch += 1  # epochs differ a little in length: count them, don't divide
-                    batches = epoch_batches(epoch)
-                loss, stats, n_tokens = loss_of(batches.pop())
-                loss.backward()
-                counted += stats[0].in_vocab
-                window.add(stats[0])
-                summary.tokens += n_tokens
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(max(1, counted))
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(head, optimizer, params, loss_of, batches, lr=lr_at(step, cfg, total), cfg=cfg,
+                           window=window, summary=summary)
             step += 1
             summary.seconds = seconds_before + time.perf_counter() - t0
             bar.update(1)
@@ -255,17 +223,98 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
                 _log(out, {"step": step, "loss": window.loss, "agreement": window.agreement})
                 window = DistillStats()
             if stop.reason or step == end or (cfg.save_every and step % cfg.save_every == 0):
-                save()
+                save_run(out, method=method, settings=settings, step=step, batches=batches, head=head,
+                         optimizer=optimizer, cfg=cfg, summary=summary)
         summary.interrupted = stop.reason or None
     bar.close()
     summary.step = step
     summary.eval = evaluate(head, eval_idx, tokens, cfg, loss_of, method)
+    write_head(out, head, target, cfg=cfg, method=method, settings=settings, summary=summary)
+    return summary
+
+
+@dataclass
+class EpochBatches:
+    """The place in the epoch: the micro-batches left in it, popped from the end; each epoch's
+    order is planned from the seed and the epoch number, so a resumed run sees the same batches."""
+
+    train_idx: np.ndarray       # the training split's sequence indices
+    lengths: np.ndarray         # every sequence's length
+    batch_tokens: int
+    seed: int
+    epoch: int = -1
+    left: list = field(default_factory=list)
+
+    def plan(self, epoch: int) -> list:
+        return plan_batches(self.train_idx, self.lengths, self.batch_tokens, seed=self.seed * 100003 + epoch)
+
+    def resume(self, epoch: int, batches_left: int) -> None:
+        self.epoch, self.left = epoch, self.plan(epoch)[:batches_left]
+
+    def pop(self):
+        if not self.left:
+            self.epoch += 1  # epochs differ a little in length: count them, don't divide
+            self.left = self.plan(self.epoch)
+        return self.left.pop()
+
+
+def head_loss(method: str, head, target, tokens, loader, *, temperature: float, ttt_steps: int):
+    """`loss_of(indices) -> (loss, [DistillStats per step], tokens)` for a micro-batch of sequences,
+    against the teacher's logits on the head's draft vocabulary."""
+    adapter = SimpleNamespace(config=head.config, draft_ids=head.lm_head.draft_ids)
+    teacher, index = teacher_head(target, adapter), vocab_index(adapter, target.vocab_size)
+
+    def loss_of(indices):
+        batch = loader(indices)
+        ids, _ = tokens.padded(indices, device=target.device)
+        if method == "eagle":
+            return eagle_loss(head, target, batch, ids, teacher, index, temperature, ttt_steps) + (batch.tokens,)
+        return ppsd_loss(head, target, batch, ids, teacher, index, temperature) + (batch.tokens,)
+
+    return loss_of
+
+
+def optimizer_step(head, optimizer, params, loss_of, batches: EpochBatches, *, lr: float, cfg: TrainConfig,
+                   window: DistillStats, summary: TrainSummary) -> None:
+    """One optimizer step over `cfg.grad_accum` micro-batches; adds their stats to `window` and
+    their tokens to `summary.tokens`."""
+    head.train()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    counted = 0
+    for _ in range(cfg.grad_accum):
+        loss, stats, n_tokens = loss_of(batches.pop())
+        loss.backward()
+        counted += stats[0].in_vocab
+        window.add(stats[0])
+        summary.tokens += n_tokens
+    # the losses are sums over in-vocabulary positions: a mean over all the step's micro-batches
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(max(1, counted))
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def save_run(out: Path, *, method: str, settings: dict, step: int, batches: EpochBatches, head, optimizer,
+             cfg: TrainConfig, summary: TrainSummary) -> None:
+    """Save the training state that `--resume` continues from."""
+    save_state(out, {"method": method, "head_settings": settings, "step": step, "epoch": batches.epoch,
+                     "batches_left": len(batches.left), "head": head.state_dict(),
+                     "optimizer": optimizer.state_dict(), "config": asdict(cfg),
+                     "tokens": summary.tokens, "seconds": summary.seconds})
+
+
+def write_head(out: Path, head, target, *, cfg: TrainConfig, method: str, settings: dict,
+               summary: TrainSummary) -> None:
+    """The head checkpoint (in the target's dtype, with how it was trained) and train_summary.json."""
     head.config = replace(head.config, extra={"training": {
-        "method": method, "step": step, "data": list(cfg.data), "ttt_steps": ttt_steps,
-        "train_lm_head": train_lm_head, "eval": summary.eval, "model": cfg.model}})
+        "method": method, "step": summary.step, "data": list(cfg.data), "ttt_steps": settings["ttt_steps"],
+        "train_lm_head": settings["train_lm_head"], "eval": summary.eval, "model": cfg.model}})
     save_head(head.to(target.dtype), out)
     (out / "train_summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
-    return summary
 
 
 @torch.no_grad()

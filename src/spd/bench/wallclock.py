@@ -110,15 +110,11 @@ def measure_device_costs(model: str, stages: int, dtype: str, drafters, pdm: str
 
 def measure(options: WallclockOptions) -> dict:
     """Run the benchmark; returns {ar: {...}, <drafter>: {...}, costs: {...}, settings: {...}}."""
-    import torch
-
-    from ..baselines.ar import ar_generate
-    from ..drafters import OracleDrafter
-    from ..loading import encode_prompt, parse_dtype
-    from ..runtime import plan, start
-    from ..target import load_target
-
     from dataclasses import asdict
+
+    from ..loading import encode_prompt, parse_dtype
+    from ..runtime import plan
+    from ..target import load_target
 
     o = options
     model, stages, split, draft_rank, drafters = o.model, o.stages, o.split, o.draft_rank, o.drafters
@@ -133,15 +129,7 @@ def measure(options: WallclockOptions) -> dict:
     # costs at the mean context of the decode (prompt + half the new tokens), where the run spends its time
     context = round(sum(map(len, ids)) / len(ids) + max_new_tokens / 2)
     costs = measure_device_costs(model, stages, dtype, drafters, spec.pdm, target, context)
-    # --split auto: each drafter gets the split balanced for its own draft cost (the oracle's rank 0
-    # has no PDM to run); drafters that share a split share one set of processes
-    split_of = {name: tuple(choose_split(costs, stages, draft_rank, head, [name], spec.pdm) if auto
-                            else spec.stage_layers) for name in drafters}
-    specs = {}
-    for chosen in dict.fromkeys(split_of.values()):
-        specs[chosen] = spec if not auto else plan(model, stages, list(chosen), draft_rank, spec.pdm, **run_options)
-        log.warning("--split auto: %s for %s (%s), head on %s", list(chosen), draft_rank,
-                    ", ".join(d for d in drafters if split_of[d] == chosen), head)
+    split_of, specs = session_specs(costs, spec, o, run_options)
     cores = os.cpu_count() or 1
     ar_threads = tuple(o.ar_threads) or tuple(sorted({cores, 1}, reverse=True))
     spd_threads = spec.threads or max(1, cores // spec.layout.world_size)
@@ -150,13 +138,66 @@ def measure(options: WallclockOptions) -> dict:
                            "identical": True, "breakdowns": [], "split": list(split_of[name]),
                            "verified_candidates": 0} for name in drafters})
 
-    def ar(prompt, new, threads):
-        torch.set_num_threads(threads)
-        return ar_generate(target, prompt, max_new_tokens=new, eos_token_ids=())
-
     for t in ar_threads:
-        ar(ids[0], 8, t)   # warm-up
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        run_ar(target, ids[0], 8, t)   # warm-up
+    load_before = load_average()
+    run_prompts(target, specs, ids, results, drafters=drafters, split_of=split_of, ar_threads=ar_threads,
+                spd_threads=spd_threads, max_new_tokens=max_new_tokens, stages=stages)
+    add_rates(results, costs, o, prompts=len(ids), head=spec.head, lookahead=lookahead)
+    results["settings"] = {"model": model, "stage_layers": sorted({tuple(r) for r in split_of.values()}), "draft_rank": draft_rank,
+                           "processes": spec.layout.world_size, "cores": cores, "ar_threads": list(ar_threads),
+                           "load_average_before": load_before, "load_average_after": load_average(),
+                           "spd_threads_per_process": spd_threads, "prompts": len(ids), "prompt_source": o.source,
+                           "max_new_tokens": max_new_tokens, "dtype": dtype, "lookahead": lookahead,
+                           "pdm": spec.pdm or "random (no shipped PDM for this split)",
+                           "split": "auto" if auto else "given", "head": spec.head, "cost_context": context,
+                           "tree_width": width}
+    results["costs"] = asdict(costs)
+    return results
+
+
+def session_specs(costs, spec, o: WallclockOptions, run_options: dict) -> tuple[dict, dict]:
+    """({drafter: its split}, {split: the runtime spec its processes start from}).
+
+    --split auto: each drafter gets the split balanced for its own draft cost (the oracle's rank 0
+    has no PDM to run); drafters that share a split share one set of processes."""
+    from ..runtime import plan
+
+    auto = o.split == "auto"
+    split_of = {name: tuple(choose_split(costs, o.stages, o.draft_rank, o.head, [name], spec.pdm) if auto
+                            else spec.stage_layers) for name in o.drafters}
+    specs = {}
+    for chosen in dict.fromkeys(split_of.values()):
+        specs[chosen] = spec if not auto else plan(o.model, o.stages, list(chosen), o.draft_rank, spec.pdm, **run_options)
+        log.warning("--split auto: %s for %s (%s), head on %s", list(chosen), o.draft_rank,
+                    ", ".join(d for d in o.drafters if split_of[d] == chosen), o.head)
+    return split_of, specs
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, where the OS has one (for the report)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def run_ar(target, prompt: list[int], new: int, threads: int):
+    """AR decoding in this process with `threads` torch threads, EOS ignored: (tokens, stats)."""
+    import torch
+
+    from ..baselines.ar import ar_generate
+
+    torch.set_num_threads(threads)
+    return ar_generate(target, prompt, max_new_tokens=new, eos_token_ids=())
+
+
+def run_prompts(target, specs: dict, ids: list[list[int]], results: dict, *, drafters, split_of: dict,
+                ar_threads: tuple[int, ...], spd_threads: int, max_new_tokens: int, stages: int) -> None:
+    """Decode every prompt with AR at each thread count and with each drafter, adding the counts
+    and times to `results`; every drafter's tokens are compared with AR's."""
+    import torch
+
+    from ..drafters import OracleDrafter
+    from ..runtime import start
+
     # one set of processes at a time (one process group per process); AR runs beside every set,
     # prompt by prompt, so a change in load hits both alike
     for chosen, session_spec in specs.items():
@@ -165,7 +206,7 @@ def measure(options: WallclockOptions) -> dict:
             session.generate(ids[0], OracleDrafter([]), max_new_tokens=8, eos_token_ids=())   # warm-up
             for prompt in ids:
                 for t in ar_threads:
-                    reference, ar_stats = ar(prompt, max_new_tokens, t)
+                    reference, ar_stats = run_ar(target, prompt, max_new_tokens, t)
                     results["ar"][t]["tokens"] += ar_stats.new_tokens - 1
                     results["ar"][t]["seconds"] += ar_stats.decode_seconds
                 torch.set_num_threads(spd_threads)
@@ -174,37 +215,32 @@ def measure(options: WallclockOptions) -> dict:
                     out = session.generate(prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=())
                     add_run(results[name], out, reference, stages)
                     log.info("%s: %d tokens in %.2f s", name, out.stats.new_tokens, out.stats.decode_seconds)
+
+
+def add_rates(results: dict, costs, o: WallclockOptions, *, prompts: int, head: str, lookahead: str) -> None:
+    """Turn the running totals into rates, in place: AR's tokens/s per thread count (a list from
+    here on); each drafter's tokens/s, ratios against AR, acceptance, cycle breakdown and, for
+    the chain, the cost model's prediction."""
     for r in results["ar"].values():
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
     best = max(results["ar"].values(), key=lambda r: r["tokens_per_second"])
     results["ar"] = list(results["ar"].values())
     ar_rate, all_cores = best["tokens_per_second"], results["ar"][0]["tokens_per_second"]
     one_thread = min(results["ar"], key=lambda r: r["threads"])["tokens_per_second"]
-    for name in drafters:
+    for name in o.drafters:
         r = results[name]
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
         r["ratio_vs_ar"] = r["tokens_per_second"] / ar_rate   # against the fastest AR setting
         r["ratio_vs_ar_first_setting"] = r["tokens_per_second"] / all_cores
         r["ratio_vs_ar_all_cores"] = r["tokens_per_second"] / all_cores      # same total cores
         r["ratio_vs_ar_one_thread"] = r["tokens_per_second"] / one_thread    # one device
-        r["tokens_per_cycle"] = (r["tokens"] + len(ids)) / r["cycles"] if r["cycles"] else 0.0
+        r["tokens_per_cycle"] = (r["tokens"] + prompts) / r["cycles"] if r["cycles"] else 0.0
         r["per_draft_acceptance"] = r["accepted"] / max(1, r["accepted"] + r["rejected"])   # per position in a tree
         r["mean_width"] = r["verified_candidates"] / max(1, r["accepted"] + r["rejected"])
         r["breakdown"] = weighted_breakdown(r.pop("breakdowns"))
         draft_ms = 1000.0 * r.pop("draft_seconds") / max(1, r["cycles"]) / costs.contention
-        if width == 1:   # the model prices one token per stage per cycle
-            r.update(prediction(costs, r, name, draft_ms, spec.head, o, lookahead))
-    results["settings"] = {"model": model, "stage_layers": sorted({tuple(r) for r in split_of.values()}), "draft_rank": draft_rank,
-                           "processes": spec.layout.world_size, "cores": cores, "ar_threads": list(ar_threads),
-                           "load_average_before": load_before,
-                           "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-                           "spd_threads_per_process": spd_threads, "prompts": len(ids), "prompt_source": o.source,
-                           "max_new_tokens": max_new_tokens, "dtype": dtype, "lookahead": lookahead,
-                           "pdm": spec.pdm or "random (no shipped PDM for this split)",
-                           "split": "auto" if auto else "given", "head": spec.head, "cost_context": context,
-                           "tree_width": width}
-    results["costs"] = asdict(costs)
-    return results
+        if o.tree_width == 1:   # the model prices one token per stage per cycle
+            r.update(prediction(costs, r, name, draft_ms, head, o, lookahead))
 
 
 def add_run(r: dict, out, reference: list[int], stages: int) -> None:
