@@ -214,7 +214,14 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
     rank = {(p.dataset, str(p.question_id)): i for name, _ in dataset_files(cfg)
             for i, p in enumerate(q for q in prompts if q.dataset == name)}
     anchors = sorted({a for r in runners.values() for a in r.replay_anchors})
-    snapshots = {}   # the latest prompt's hidden states, shared by its replays
+    latest = {}   # the latest prompt's hidden states, shared by its replays
+
+    def snapshots(key, sequence) -> dict:
+        if key not in latest:
+            latest.clear()
+            latest[key] = sequence_snapshots(target, sequence, anchors)
+        return latest[key]
+
     with open(records_path, "a", encoding="utf-8") as fh:
         for prompt, temperature, spec in todo:
             key = (prompt.dataset, str(prompt.question_id))
@@ -225,16 +232,11 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
                                     seed=prompt_seed(cfg.seed, prompt.dataset, prompt.question_id, temperature))
             bar.set_postfix_str(f"{prompt.dataset} T={temperature:g} {spec.name}")
             ar_tokens = reference.get((prompt.dataset, float(temperature), str(prompt.question_id)))
-            replaying = cfg.replay and temperature == 0 and runner.replayable and ar_tokens is not None
-            if replaying and key not in snapshots:
-                snapshots = {key: sequence_snapshots(target, ids + ar_tokens, anchors)}
-            if replaying and rank[key] >= cfg.engine_check:
-                fields = {**runner.replay(ids, ar_tokens, cfg.max_new_tokens, snapshots[key]), "replayed": True}
+            if cfg.replay and params.greedy and runner.replayable and ar_tokens is not None:
+                fields = _replayed(runner, ids, ar_tokens, snapshots(key, ids + ar_tokens), cfg,
+                                   decode_too=rank[key] < cfg.engine_check, eos=eos, params=params)
             else:
                 fields = runner.run(ids, params, cfg.max_new_tokens, eos)
-                if replaying:
-                    again = runner.replay(ids, ar_tokens, cfg.max_new_tokens, snapshots[key])
-                    fields["replay_agrees"] = all(fields[f] == again[f] for f in REPLAY_COUNTS)
             record = _record(spec, prompt, temperature, ids, fields, reference, runner)
             if spec.kind == "ar":
                 reference[(prompt.dataset, float(temperature), str(prompt.question_id))] = record["tokens"]
@@ -250,6 +252,17 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
     if mismatches:
         log.error("%d greedy outputs differ from AR's (see matches_ar in %s)", mismatches, records_path)
     return BenchResult(str(out), len(records), new, rows, mismatches)
+
+
+def _replayed(runner, ids: list[int], ar_tokens: list[int], snapshots: dict, cfg: BenchConfig, *, decode_too: bool,
+              eos, params: SamplingParams) -> dict:
+    """A greedy record's fields from the replay over AR's tokens; with `decode_too` (an
+    engine-checked prompt) the decode's fields instead, saying whether the replay agreed."""
+    replayed = runner.replay(ids, ar_tokens, cfg.max_new_tokens, snapshots)
+    if not decode_too:
+        return {**replayed, "replayed": True}
+    fields = runner.run(ids, params, cfg.max_new_tokens, eos)
+    return {**fields, "replay_agrees": all(fields[f] == replayed[f] for f in REPLAY_COUNTS)}
 
 
 def _record(spec: MethodSpec, prompt: Prompt, temperature: float, ids, fields: dict, reference, runner) -> dict:
