@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .methods import DEFAULT_METHODS
+from . import DEFAULT_METHODS
 
 
 def bench_run(

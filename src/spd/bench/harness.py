@@ -32,7 +32,8 @@ from pathlib import Path
 from ..sampling import SamplingParams
 from . import costs
 from .acceptance import sequence_snapshots
-from .methods import DEFAULT_METHODS, MethodSpec, build_runner, parse_methods, warm_up
+from . import DEFAULT_METHODS
+from .methods import MethodSpec, build_runner, parse_methods, warm_up
 
 log = logging.getLogger(__name__)
 

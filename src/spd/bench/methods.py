@@ -50,9 +50,6 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^(ar)$|^(spd|ppsd)-n(\d+)$|^(eagle)-k(\d+)$")
 _WIDTH = re.compile(r"^(spd-n\d+)-w(\d+)")   # spd-n4-w4 -> spd-n4, width 4
 _TREE = re.compile(r"^eagle-tree-b(\d+)(?:-d(\d+))?(?:-k(\d+))?$")   # eagle-tree-b16[-d6][-k8]
-# the paper's comparison (issue 24): SPD with and without retrieval, PPSD, EAGLE-style chains and trees
-DEFAULT_METHODS = ("ar,spd-n2,spd-n4,spd-n2+retrieval,spd-n4+retrieval,ppsd-n2,ppsd-n4,eagle-k3,eagle-k5,"
-                   "eagle-k7,eagle-k5+retrieval,eagle-tree-b16,eagle-tree-b32")
 RETRIEVAL = "+retrieval"    # suffix: spd-n<N>+retrieval (the hybrid drafter), eagle-k<K>+retrieval
 EAGLE_RETRIEVAL_MIN_LEN = 3  # a retrieved chain replaces the head's from a match this long (SAM-Decoding style)
 
