@@ -26,13 +26,13 @@ import json
 import logging
 import os
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..sampling import SamplingParams
-from . import costs
+from . import DEFAULT_METHODS, costs
 from .acceptance import sequence_snapshots
-from . import DEFAULT_METHODS
 from .methods import MethodSpec, build_runner, parse_methods, warm_up
 
 log = logging.getLogger(__name__)
@@ -212,8 +212,10 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
     for runner in {w[2].name: runners[w[2].name] for w in todo}.values():
         warm_up(runner, target.vocab_size)
     new, ids_of = 0, {}
-    rank = {(p.dataset, str(p.question_id)): i for name, _ in dataset_files(cfg)
-            for i, p in enumerate(q for q in prompts if q.dataset == name)}
+    rank, seen = {}, Counter()   # each prompt's place in its dataset (engine checks: the first N)
+    for p in prompts:
+        rank[(p.dataset, str(p.question_id))] = seen[p.dataset]
+        seen[p.dataset] += 1
     anchors = sorted({a for r in runners.values() for a in r.replay_anchors})
     latest = {}   # the latest prompt's hidden states, shared by its replays
 

@@ -33,7 +33,6 @@ from ..baselines.ar import ar_generate
 from ..baselines.eagle import EagleHead, eagle_generate
 from ..baselines.eagle_tree import TreeOptions, eagle_tree_generate
 from ..baselines.heads import load_head, read_head_config
-from .acceptance import eagle_replay, replay
 from ..baselines.ppsd import PPSDDrafter, PPSDHead, PPSDConfig
 from ..checkpoint import load_pdm, read_config
 from ..engine import generate
@@ -44,6 +43,7 @@ from ..sampling import SamplingParams
 from ..shipped import shipped_head, shipped_pdm
 from ..target import Target, split_layers
 from . import costs
+from .acceptance import eagle_replay, replay
 
 log = logging.getLogger(__name__)
 
