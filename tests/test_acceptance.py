@@ -79,3 +79,58 @@ def test_eagle_replay_matches_the_baseline(shape):
             assert getattr(replayed, name) == getattr(real, name), name
         mixed += real.accepted > 0 and real.verified > real.accepted
     assert mixed >= 1
+
+
+def _sampled_counts(shape: str, replayed: bool, seeds: range):
+    """(accepted, verified) summed over `seeds` for T = 1 decoding of one method on a tiny model:
+    its real decode, or the replay of AR's sample (what `spd bench run --replay` records)."""
+    from spd.baselines.eagle import EagleHead, eagle_generate
+    from spd.baselines.eagle_tree import TreeOptions, eagle_tree_generate
+    from spd.baselines.ppsd import PPSDDrafter, PPSDHead
+    from spd.bench.acceptance import eagle_replay
+    from spd.retrieval import make_drafter
+    from spd.sampling import SamplingParams
+    target = Target.from_hf(tiny_model("llama", num_layers=4, vocab=6, seed=1))
+    accepted = verified = 0
+    for seed in seeds:
+        params, prompt, max_new = SamplingParams(temperature=1.0, seed=seed), [1, 2, 3, seed % 6], 24
+        known = ar_generate(target, prompt, params, max_new, eos_token_ids=())[0] if replayed else None
+        if shape.startswith(("spd", "ppsd")):
+            n = int(shape.split("-n")[1][0])
+            stages = split_layers(4, n)
+            if shape.startswith("ppsd"):
+                head = PPSDHead.create(target, [len(s) for s in stages], init_from_target=False, seed=3).eval()
+                make = lambda: PPSDDrafter(head)  # noqa: E731
+            else:
+                pdm = PDM.create(target, [len(s) for s in stages], num_layers=2, seed=11).eval()
+                make = lambda: make_drafter("hybrid" if "retrieval" in shape else "pdm", pdm)  # noqa: E731
+            s = (replay(target, make(), prompt, known, n, params=params) if replayed else
+                 generate(target, make(), prompt, stages, params, max_new, eos_token_ids=()).stats)
+            accepted, verified = accepted + s.accepted, verified + s.accepted + s.rejected
+            continue
+        head = EagleHead.create(target, [1, 2, 4], seed=5).eval()
+        if shape.startswith("eagle-tree"):
+            tree = TreeOptions(4)
+            s = (eagle_replay(target, head, prompt, known, max_new, tree=tree, params=params) if replayed else
+                 eagle_tree_generate(target, head, prompt, tree, params, max_new, eos_token_ids=())[1])
+        else:
+            k, retrieval = 3, (2 if "retrieval" in shape else None)
+            s = (eagle_replay(target, head, prompt, known, max_new, k=k, retrieval_min_len=retrieval, params=params)
+                 if replayed else
+                 eagle_generate(target, head, prompt, k, params, max_new, (), retrieval_min_len=retrieval)[1])
+        accepted, verified = accepted + s.accepted, verified + s.verified
+    return accepted, verified
+
+
+@pytest.mark.parametrize("shape", ["spd-n2", "spd-n3+retrieval", "ppsd-n2", "eagle-k3", "eagle-k3+retrieval",
+                                   "eagle-tree-b4"])
+def test_sampled_replay_has_the_engines_acceptance(shape):
+    # T = 1: the replay of AR's sample draws each acceptance given the known token; over many
+    # seeds its acceptance must match the real decode's (a two-proportion z-test). Judging the
+    # sampled draft by equality with the known token, or a coin of min(1, p/q), fails it.
+    a_real, v_real = _sampled_counts(shape, False, range(40))
+    a_rep, v_rep = _sampled_counts(shape, True, range(1000, 1040))
+    pooled = (a_real + a_rep) / (v_real + v_rep)
+    z = (a_real / v_real - a_rep / v_rep) / (pooled * (1 - pooled) * (1 / v_real + 1 / v_rep)) ** 0.5
+    assert 0.05 < a_real / v_real < 0.95, "both outcomes must be common for the test to mean anything"
+    assert abs(z) < 4, (a_real / v_real, a_rep / v_rep, z)

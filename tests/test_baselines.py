@@ -61,8 +61,8 @@ def test_eagle_draft_cache_matches_recompute(monkeypatch):
     real = eagle.draft_chain
     checked = []
 
-    def checking(head, cache, tokens, features, c, k, params, gen):
-        drafts, qs = real(head, cache, tokens, features, c, k, params, gen)
+    def checking(head, cache, tokens, features, c, k, params, gen, follow=None):
+        drafts, qs = real(head, cache, tokens, features, c, k, params, gen, follow)
         positions = torch.arange(c)
         out = head(torch.tensor(tokens[1:c + 1])[None], head.fused(features[:c])[None], positions,
                    attention_mask(positions, c, features.dtype))
@@ -89,7 +89,7 @@ def test_eagle_oracle_head_accepts_everything(monkeypatch):
     reference, _ = ar_generate(target, prompt, max_new_tokens=25, eos_token_ids=())
     head = EagleHead.create(target).eval()
 
-    def oracle(head, cache, tokens, features, c, k, params, gen):
+    def oracle(head, cache, tokens, features, c, k, params, gen, follow=None):
         index = c - len(prompt) + 1
         return reference[index:index + k], [None] * k
 

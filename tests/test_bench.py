@@ -1,6 +1,7 @@
 """`spd bench`: same-run harness, resumable records, summary recomputed from them, plots, CLI."""
 
 import json
+from collections import Counter
 
 import pytest
 from typer.testing import CliRunner
@@ -271,3 +272,25 @@ def test_bench_replay_gives_the_decoded_counts(tmp_path, evals, model_dir):
     assert rows["spd-n2"]["replayed"] == 3 and rows["spd-n2"]["replay_agreed"] == rows["spd-n2"]["replay_checked"] == 2
     assert rows["spd-n2"]["tokens_per_second"] > 0   # from the two decoded prompts
     assert "(+3 replayed; replay = decode 2/2)" in (tmp_path / "replayed" / "summary.md").read_text()
+
+
+def test_bench_replay_of_a_sampled_run(tmp_path, evals, model_dir):
+    # T = 1: the replayed records judge each draft against AR's sample (the law of the method's
+    # own output; tests/test_acceptance.py checks the acceptances' law); engine-checked prompts decode
+    out = tmp_path / "t1"
+    result = run_bench(config(out, evals, model_dir, methods="spd-n2,eagle-k3", temperatures=(1.0,), plots=False,
+                              replay=True, engine_check=1))
+    records = read_records(out / "per_prompt.jsonl")
+    ar = {(r["dataset"], r["question_id"]): r["tokens"] for r in records if r["kind"] == "ar"}
+    kinds = Counter()
+    for r in records:
+        if r["kind"] == "ar":
+            continue
+        if r["question_id"] == 0:
+            assert "replayed" not in r and "replay_agrees" not in r and r["decode_seconds"] > 0
+            kinds["decoded"] += 1
+        else:
+            assert r["replayed"] is True and r["tokens"] == ar[(r["dataset"], r["question_id"])]
+            assert 0 < r["verified"] and 0 <= r["accepted"] <= r["verified"]
+            kinds["replayed"] += 1
+    assert kinds == {"decoded": 2 * 2, "replayed": 3 * 2} and result.greedy_mismatches == 0

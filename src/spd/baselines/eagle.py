@@ -165,8 +165,11 @@ class EagleStats:
 
 
 def draft_chain(head: EagleHead, cache: KVCache, tokens: list[int], features: torch.Tensor, c: int,
-                k: int, params: SamplingParams, gen: torch.Generator) -> tuple[list[int], list]:
-    """k drafts for positions c+1..c+k; tokens[c] is the newest verified token.
+                k: int, params: SamplingParams, gen: torch.Generator, follow: list[int] | None = None
+                ) -> tuple[list[int], list]:
+    """k drafts for positions c+1..c+k; tokens[c] is the newest verified token. `follow` (a
+    replay's known tokens) is fed to the next step instead of each draft: the q's of a chain whose
+    drafts were all accepted.
 
     The head cache holds true-feature rows 0..start-1; rows start..c-1 (whose target features
     the last verification produced) run first, then one row per further draft on the head's own
@@ -187,7 +190,8 @@ def draft_chain(head: EagleHead, cache: KVCache, tokens: list[int], features: to
         drafts.append(draft)
         qs.append(q)
         if j + 1 < k:
-            out = head(torch.tensor([[draft]], device=device), out[:, -1:],
+            fed = draft if follow is None else follow[j]
+            out = head(torch.tensor([[fed]], device=device), out[:, -1:],
                        torch.tensor([c + j], device=device), None, cache)
     return drafts, qs
 
@@ -281,8 +285,8 @@ def decode_rounds(target: Target, head: EagleHead, prompt_ids: list[int], round_
                 return
 
 
-def chain_drafts(state: Decoding, k: int, room: int, index: SuffixIndex | None, retrieval_min_len
-                 ) -> tuple[list[int], list, str]:
+def chain_drafts(state: Decoding, k: int, room: int, index: SuffixIndex | None, retrieval_min_len,
+                 follow: list[int] | None = None) -> tuple[list[int], list, str]:
     """The round's chain of at most min(k, room) drafts, their q's and its source: the tokens that
     followed the sequence's suffix earlier when it matches >= retrieval_min_len tokens, else the head's."""
     n_draft = min(k, room)
@@ -293,7 +297,7 @@ def chain_drafts(state: Decoding, k: int, room: int, index: SuffixIndex | None, 
             if drafts:
                 return drafts, [None] * len(drafts), "retrieval"
     drafts, qs = draft_chain(state.head, state.head_cache, state.tokens, state.features, state.c, n_draft,
-                             state.params, state.gen)
+                             state.params, state.gen, follow=follow)
     state.stats.draft_forwards += n_draft
     return drafts, qs, "head"
 

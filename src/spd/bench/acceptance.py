@@ -18,6 +18,15 @@ drafts from the true features of the verified prefix (from the one forward), and
 forward is replaced by rows whose argmax is the known next token, checked by the baseline's own
 `accept_prefix` / `accept_path`. Token trees of tree SPD (width > 1) cannot be replayed: the
 drafter scores every node of a level, including wrong ones, from their own hidden states.
+
+Sampling (T > 0) replays AR's sampled continuation, which has the law of every lossless method's
+output. Speculative sampling emits token x after accepting a draft with probability min(p, q)(x)
+out of the p(x) that x has in all, so given x the draft was accepted with probability
+min(1, q(x) / p(x)) (`agrees`): drawing that coin for each draft against the known token gives
+the engine's joint law of tokens and acceptances (not its per-seed counts), with p from the one
+forward. A point-mass draft (retrieval, greedy) is accepted iff it equals x; so is an EAGLE tree's
+child, whose candidates are point masses (multi-draft rejection never emits a rejected one). An
+accepted draft is the known token, so chains are drafted along the known tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from ..cache import KVCache
 from ..drafters import DraftState, draft_source
 from ..engine import SPDStats, store_snapshots
 from ..retrieval import SuffixIndex
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, probs
 from ..target import Target
 
 
@@ -58,22 +67,56 @@ def sequence_features(target: Target, sequence: list[int], anchors) -> tuple[tor
     return feature_table(target, snapshots, anchors, len(sequence)), snapshots[last]
 
 
+def agrees(draft: int, q: torch.Tensor | None, token: int, p: torch.Tensor | None,
+           gen: torch.Generator) -> bool:
+    """Whether verification accepted `draft` at a position whose output is known to be `token`:
+    equal tokens for a point mass (q None) or greedy (p None), else a coin with probability
+    min(1, q(token) / p(token)) (see the module docstring)."""
+    if q is None or p is None:
+        return draft == token
+    p_x, q_x = float(p[token]), float(q[token])
+    u = float(torch.rand((), generator=gen, device=p.device))
+    return u * p_x < q_x   # u < min(1, q/p); p_x = 0 (float noise of the one forward): iff q_x > 0
+
+
+def replay_generator(params: SamplingParams, device) -> torch.Generator:
+    """The replay's draws (drafts, coins), seeded apart from `params.seed`, which sampled the
+    known tokens: the same stream would tie the coins to the tokens they judge."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(((params.seed or 0) + 0x9E3779B97F4A7C15) % 2**63)
+    return gen
+
+
+class TargetProbs:
+    """The target's processed next-token probabilities (`probs`) from one forward, by position:
+    probs(t) is the law of sequence[t]; None throughout when greedy."""
+
+    def __init__(self, target: Target, snapshots: dict, params: SamplingParams):
+        self.target, self.params = target, params
+        self.last = None if params.greedy else snapshots[target.num_layers]
+
+    def __call__(self, t: int) -> torch.Tensor | None:
+        return None if self.last is None else probs(self.target.logits(self.last[t - 1]), self.params)
+
+
 @torch.inference_mode()
 def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[int],
-           n_stages: int, snapshots: dict | None = None) -> SPDStats:
-    """SPD statistics (cycles, accepted, rejected) for greedy decoding of `continuation`.
+           n_stages: int, snapshots: dict | None = None, params: SamplingParams = SamplingParams()) -> SPDStats:
+    """SPD statistics (cycles, accepted, rejected) for decoding `continuation` (greedy, or sampled
+    with `params`: then one draw of the acceptances' law given these tokens).
 
     `snapshots` (from `sequence_snapshots` over prompt + continuation, covering the drafter's
-    anchors) lets several drafters share one forward."""
+    anchors and, when sampling, the last layer) lets several drafters share one forward."""
     device, prompt_len = target.device, len(prompt_ids)
     sequence = list(prompt_ids) + list(continuation)
     if snapshots is None:
-        snapshots = sequence_snapshots(target, sequence, drafter.anchors)
+        snapshots = sequence_snapshots(target, sequence, set(drafter.anchors) | {target.num_layers})
     features = feature_table(target, snapshots, drafter.anchors, len(sequence))
+    p_of = TargetProbs(target, snapshots, params)
 
     stats = SPDStats(n_stages, prompt_tokens=prompt_len, new_tokens=1, stage_seconds=[0.0] * n_stages,
                      verified_by_fill=[0] * n_stages, accepted_by_fill=[0] * n_stages)
-    params, gen = SamplingParams(), torch.Generator(device=device)
+    gen = replay_generator(params, device)
     drafter.begin(prompt_len)
     first_inflight, newest = prompt_len, prompt_len
     wrong_inflight = None          # position of the oldest wrong draft in flight, if any
@@ -81,9 +124,9 @@ def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[in
     while stats.new_tokens < len(continuation):
         if wrong_inflight is None and newest + 1 < len(sequence):
             state = DraftState(sequence[: newest + 1], first_inflight, n_stages, features, drafter.after_stages)
-            draft, _ = drafter.draft(state, params, gen)
+            draft, q = drafter.draft(state, params, gen)
             drafted[newest + 1] = (newest - first_inflight + 1, draft_source(drafter))
-            if draft != sequence[newest + 1]:
+            if not agrees(draft, q, sequence[newest + 1], p_of(newest + 1), gen):
                 wrong_inflight = newest + 1
         stats.cycles += 1
         stats.stage_tokens += newest - first_inflight + 1   # every in-flight token ran one stage
@@ -111,37 +154,48 @@ def known_logits(sequence: list[int], positions, vocab_size: int) -> torch.Tenso
 @torch.inference_mode()
 def eagle_replay(target: Target, head: EagleHead, prompt_ids: list[int], continuation: list[int],
                  max_new_tokens: int, k: int | None = None, tree: TreeOptions | None = None,
-                 retrieval_min_len: int | None = None, snapshots: dict | None = None) -> EagleStats:
-    """EAGLE-style statistics for greedy decoding of `continuation`: chains of k drafts (with the
+                 retrieval_min_len: int | None = None, snapshots: dict | None = None,
+                 params: SamplingParams = SamplingParams()) -> EagleStats:
+    """EAGLE-style statistics for decoding `continuation` (greedy, or sampled with `params` as in
+    `replay`): chains of k drafts (with the
     retrieved chain of `eagle_stream` when retrieval_min_len is set) or trees of `tree`'s shape.
     Rounds draft no further than `eagle.decode_rounds` would (its budget, `max_new_tokens`), nor
     past the known tokens (only a continuation that ended at EOS can make that differ)."""
     assert (k is None) != (tree is None)
     sequence, vocab = list(prompt_ids) + list(continuation), target.vocab_size
     if snapshots is None:
-        snapshots = sequence_snapshots(target, sequence, head.feature_layers)
+        snapshots = sequence_snapshots(target, sequence, set(head.feature_layers) | {target.num_layers})
     features = torch.stack([snapshots[i] for i in head.feature_layers], 1)
+    p_of = TargetProbs(target, snapshots, params)
     depth = tree.depth if tree is not None else k
     stats = EagleStats(depth, prompt_tokens=len(prompt_ids), new_tokens=1,
                        verified_by_position=[0] * depth, accepted_by_position=[0] * depth)
-    params, gen = SamplingParams(), torch.Generator(device=target.device)
+    gen, greedy = replay_generator(params, target.device), SamplingParams()
     state = Decoding(target, head, params, gen, stats, sequence[:len(prompt_ids) + 1], None, KVCache([0]), features)
     index = SuffixIndex() if retrieval_min_len is not None else None
     while stats.new_tokens < len(continuation):
         c = state.c
         room = min(max_new_tokens - stats.new_tokens - 1, len(sequence) - 2 - c)
         if tree is None:
-            drafts, qs, source = chain_drafts(state, k, room, index, retrieval_min_len)
-            accepted, token = accept_prefix(drafts, qs, known_logits(sequence, range(c, c + len(drafts) + 1), vocab),
-                                            params, gen, stats, source)
-            emitted = drafts[:accepted] + [token]
+            drafts, qs, source = chain_drafts(state, k, room, index, retrieval_min_len, sequence[c + 1:c + 1 + k])
+            # the coins decide; then the known rows verify the known token (accepted) or another
+            coupled = []
+            for j, (draft, q) in enumerate(zip(drafts, qs)):
+                x = sequence[c + 1 + j]
+                coupled.append(x if agrees(draft, q, x, p_of(c + 1 + j), gen) else (x + 1) % vocab)
+                if coupled[-1] != x:
+                    break
+            accepted, token = accept_prefix(coupled, [None] * len(coupled),
+                                            known_logits(sequence, range(c, c + len(drafts) + 1), vocab),
+                                            greedy, gen, stats, source)
+            emitted = coupled[:accepted] + [token]
             stats.count_forward(len(drafts) + 1)
         else:
             root, nodes, calls = draft_tree(head, state.head_cache, state.tokens, features, c, tree, params, depth=room)
             stats.draft_forwards += calls
             block = [root] + nodes
             path, token = accept_path(root, nodes, known_logits(sequence, [n.position for n in block], vocab),
-                                      params, gen, stats)
+                                      greedy, gen, stats)
             emitted = [nodes[i].token for i in path] + [token]
             stats.count_forward(len(block))
         state.head_cache.crop(c)   # as the rounds do: rows on the head's own outputs are redone

@@ -31,11 +31,13 @@ def bench_run(
     eagle: Optional[str] = typer.Option(None, help="EAGLE-style head for every eagle-k<K> and eagle-tree-b<B> (default: a random head)."),
     seed: int = typer.Option(0, help="Base seed of the per-prompt sampling seeds."),
     cost_context: int = typer.Option(256, min=1, help="Cached positions when timing draft vs target forwards."),
-    replay: bool = typer.Option(False, help="Greedy records of the drafting methods from a replay over AR's tokens "
-                                            "(one target forward per prompt, the real drafters; no timings): "
-                                            "hundreds of prompts at about one AR decode each. Tree SPD still decodes."),
+    replay: bool = typer.Option(False, help="Records of the drafting methods from a replay over AR's tokens "
+                                            "(one target forward per prompt, the real drafters; no timings; T > 0: "
+                                            "one draw of the acceptances given AR's sample): hundreds of prompts at "
+                                            "about one AR decode each. Tree SPD still decodes."),
     engine_check: int = typer.Option(3, min=0, help="With --replay: the first N prompts of each dataset also "
-                                                    "decode for real (tokens checked against AR, counts against the replay)."),
+                                                    "decode for real (greedy: tokens checked against AR, counts "
+                                                    "against the replay)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", help="cpu or cuda:0."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),

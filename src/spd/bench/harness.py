@@ -8,11 +8,14 @@ where it stopped and `--limit` can grow. OUT/run.json keeps the settings that sh
 records (a resume with others fails naming the setting) and the measured draft costs.
 At the end OUT/summary.json, OUT/summary.md and the plots are written from all the records.
 
-With `replay`, greedy records of every method but AR and tree SPD come from a replay over AR's
-tokens (`spd.bench.acceptance`: one target forward per prompt, then the method's real drafter; no
+With `replay`, records of every method but AR and tree SPD come from a replay over AR's tokens
+(`spd.bench.acceptance`: one target forward per prompt, then the method's real drafter; no
 timings), except on the first `engine_check` prompts of each dataset, where the method runs as
-usual (tokens checked against AR) and its record says whether the replay's counts agreed
+usual (tokens checked against AR) and a greedy record says whether the replay's counts agreed
 (`replay_agrees`; a near-tie between the full forward and step-by-step decoding may flip a draft).
+Sampled records replay AR's sample at that temperature (one draw of the counts' law given those
+tokens, which have the law of every lossless method's output); a sample has no per-prompt counts
+to agree with, so tests/test_acceptance.py checks the replay's law against the engine's.
 Hundreds of prompts then cost about one AR decode each instead of one decode per method.
 
 Prompts: EAGLE-format question files (`question_id`, `turns`; the first turn, rendered with
@@ -235,7 +238,7 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
                                     seed=prompt_seed(cfg.seed, prompt.dataset, prompt.question_id, temperature))
             bar.set_postfix_str(f"{prompt.dataset} T={temperature:g} {spec.name}")
             ar_tokens = reference.get((prompt.dataset, float(temperature), str(prompt.question_id)))
-            if cfg.replay and params.greedy and runner.replayable and ar_tokens is not None:
+            if cfg.replay and runner.replayable and ar_tokens is not None:
                 fields = _replayed(runner, ids, ar_tokens, snapshots(key, ids + ar_tokens), cfg,
                                    decode_too=rank[key] < cfg.engine_check, eos=eos, params=params)
             else:
@@ -259,9 +262,11 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
 
 def _replayed(runner, ids: list[int], ar_tokens: list[int], snapshots: dict, cfg: BenchConfig, *, decode_too: bool,
               eos, params: SamplingParams) -> dict:
-    """A greedy record's fields from the replay over AR's tokens; with `decode_too` (an
-    engine-checked prompt) the decode's fields instead, saying whether the replay agreed."""
-    replayed = runner.replay(ids, ar_tokens, cfg.max_new_tokens, snapshots)
+    """A record's fields from the replay over AR's tokens; with `decode_too` (an engine-checked
+    prompt) the decode's fields instead, saying (greedy) whether the replay agreed."""
+    if decode_too and not params.greedy:
+        return runner.run(ids, params, cfg.max_new_tokens, eos)
+    replayed = runner.replay(ids, ar_tokens, cfg.max_new_tokens, snapshots, params)
     if not decode_too:
         return {**replayed, "replayed": True}
     fields = runner.run(ids, params, cfg.max_new_tokens, eos)

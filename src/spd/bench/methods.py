@@ -16,9 +16,9 @@ every method; a field a method has no notion of is None):
 (1..n, n = steady state), for EAGLE-style drafting its index in the chain (1..k) or its depth in
 the tree.
 
-Greedy records can also come from a replay over AR's tokens (`spd.bench.acceptance`): `Runner.replay`
-gives the same count fields from the hidden states of one target forward (`replay_anchors`), with
-no timings (None); tree SPD (width > 1) has none.
+Records can also come from a replay over AR's tokens (`spd.bench.acceptance`; sampled: one draw of
+the counts' law given AR's sample): `Runner.replay` gives the same count fields from the hidden
+states of one target forward (`replay_anchors`), with no timings (None); tree SPD (width > 1) has none.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Runner:
     untrained: bool
     _decode: object = None
     _probe: object = None
-    _replay: object = None              # (prompt, continuation, max_new, snapshots) -> record fields
+    _replay: object = None              # (prompt, continuation, max_new, snapshots, params) -> record fields
     replay_anchors: tuple[int, ...] = ()   # hidden-state indices the replay reads
 
     def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, eos) -> dict:
@@ -140,9 +140,10 @@ class Runner:
     def replayable(self) -> bool:
         return self._replay is not None
 
-    def replay(self, prompt_ids: list[int], continuation: list[int], max_new_tokens: int, snapshots: dict) -> dict:
-        """Greedy record fields for decoding `continuation` (AR's tokens), without decoding."""
-        fields = self._replay(prompt_ids, continuation, max_new_tokens, snapshots)
+    def replay(self, prompt_ids: list[int], continuation: list[int], max_new_tokens: int, snapshots: dict,
+               params: SamplingParams) -> dict:
+        """Record fields for decoding `continuation` (AR's tokens under `params`), without decoding."""
+        fields = self._replay(prompt_ids, continuation, max_new_tokens, snapshots, params)
         return {**fields, "tokens": list(continuation), "prefill_seconds": None, "decode_seconds": None,
                 "draft_seconds": None}
 
@@ -213,13 +214,14 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
                 tokens, s = eagle_generate(target, head, prompt, spec.k, params, max_new, eos, min_len)
             return _eagle_record(tokens, s)
 
-        def replayed(prompt, continuation, max_new, snapshots):
+        def replayed(prompt, continuation, max_new, snapshots, params):
             k = None if spec.tree is not None else spec.k
             return _eagle_record(continuation, eagle_replay(target, head, prompt, continuation, max_new, k, spec.tree,
-                                                            min_len, snapshots))
+                                                            min_len, snapshots, params))
         probe = (lambda context: costs.eagle_tree_draft_step(target, head, spec.tree, context)) if spec.tree \
             else (lambda context: costs.eagle_draft_step(target, head, context))
-        return Runner(spec, target, eagle, eagle is None, decode, probe, replayed, tuple(head.feature_layers))
+        return Runner(spec, target, eagle, eagle is None, decode, probe, replayed,
+                      (*head.feature_layers, target.num_layers))
 
     n = spec.n
     if spec.kind == "spd":
@@ -249,11 +251,11 @@ def build_runner(spec: MethodSpec, target: Target, model: str, pdms=(), ppsds=()
         result = generate(target, make(), prompt, stages, params, max_new, eos, tree=TreeConfig(spec.width))
         return _pipeline_record(result.tokens, result.stats)
 
-    def replayed(prompt, continuation, max_new, snapshots):
-        return _pipeline_record(continuation, replay(target, make(), prompt, continuation, n, snapshots))
+    def replayed(prompt, continuation, max_new, snapshots, params):
+        return _pipeline_record(continuation, replay(target, make(), prompt, continuation, n, snapshots, params))
     return Runner(spec, target, path, path is None, decode,
                   lambda context: costs.pipeline_draft_step(target, make(), n, context),
-                  replayed if spec.width == 1 else None, tuple(make().anchors))
+                  replayed if spec.width == 1 else None, (*make().anchors, target.num_layers))
 
 
 @torch.inference_mode()

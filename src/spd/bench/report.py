@@ -16,7 +16,7 @@ recompute them:
   tree: up to its budget B)
 - wall_clock_ratio = tokens_per_second / AR's tokens_per_second over the same prompts (records
   with timings only: replayed ones have none)
-- replayed = records from a greedy replay over AR's tokens (`spd bench run --replay`);
+- replayed = records from a replay over AR's tokens (`spd bench run --replay`; sampled: AR's sample);
   replay_checked / replay_agreed = decoded records whose replay was also run / gave equal counts
 - acceptance_by_position[i] = accepted / verified drafts at position i+1 (fill or chain index)
 """
