@@ -1,4 +1,4 @@
-"""replay() reproduces the engine's greedy counts from one full forward of the known output."""
+"""replay() reproduces the engine's greedy counts from one full forward of the known output, and at T > 0 the law of its acceptances."""
 
 import pytest
 
