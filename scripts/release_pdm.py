@@ -59,11 +59,13 @@ def main() -> None:
     torch.set_num_threads(2)
     target, tokenizer = load_target("default")
     pdm = load_pdm(args.run, target)
+    summary = args.run / "train_summary.json"
+    training = json.loads(summary.read_text()) if summary.exists() else {}
+    if training.get("interrupted") is not None:   # before the shipped copy is removed
+        sys.exit(f"{args.run} did not finish training ({training['interrupted']}): resume it first")
     dest = shipped_pdm_dir(list(pdm.config.stage_layers))
     if dest.exists():
         shutil.rmtree(dest)
-    summary = args.run / "train_summary.json"
-    training = json.loads(summary.read_text()) if summary.exists() else {}
     pdm.config = replace(pdm.config, extra={**pdm.config.extra, "training": training,
                                             "train_command": args.train_command})
     save_pdm(pdm, dest, dtype=torch.bfloat16)
