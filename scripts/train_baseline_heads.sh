@@ -22,6 +22,7 @@ common="--model default --data $W/chat3k.jsonl --draft-vocab $W/vocab8k.json --c
 one() {  # name, extra args
   name=$1; shift
   if [ -f $name/train_summary.json ] && grep -q '"interrupted": null' $name/train_summary.json; then echo "$name done"; return; fi
+  if [ -d $REPO/src/spd/assets/heads/smollm2-135m-$name ]; then echo "$name shipped (remove the asset to retrain)"; return; fi
   if [ -f $name/train_state.pt ]; then args="--out $W/$name --resume --no-progress --threads 2"; else args="$common $* --out $W/$name"; fi
   echo "== $name $(date +%T): spd train $args" >> train.log
   nice -n 10 python -m spd train $args >> $name.log 2>&1 &
