@@ -1,6 +1,6 @@
 """Benchmark plots from summary rows (the "overall" rows of each temperature).
 
-- speedup_vs_n.png: theoretical speedup vs n for SPD and PPSD, EAGLE-style (one line per k)
+- speedup_vs_n.png: theoretical speedup vs n for SPD and PPSD (a line per drafter: spd, spd+retrieval, ppsd), EAGLE-style (one line per k)
   and AR as horizontal lines, and the pipeline's limit n.
 - acceptance_by_position.png: per-draft acceptance by position: the pipeline fill when the
   draft was made (SPD / PPSD; n = steady state) or the index in the chain (EAGLE-style).
@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .report import OVERALL
 
 STYLES = {0.0: "-", 1.0: "--"}
-EAGLE_COLORS = ("tab:green", "tab:olive", "tab:cyan", "tab:purple")
+EAGLE_COLORS = ("tab:green", "tab:olive", "tab:cyan", "tab:purple", "tab:gray", "tab:pink", "black")
+PIPELINE_COLORS = ("tab:blue", "tab:red", "tab:orange", "tab:brown", "tab:pink")
 
 
 def _pyplot():
@@ -31,11 +33,14 @@ def plot_speedup_vs_n(rows: list[dict], path: Path) -> Path:
     ns = sorted({r["n"] for r in overall if r["kind"] in ("spd", "ppsd")})
     for t in sorted({r["temperature"] for r in overall}):
         style = STYLES.get(t, ":")
-        for kind, marker, color in (("spd", "o", "tab:blue"), ("ppsd", "s", "tab:orange")):
-            pts = sorted((r["n"], r["theoretical_speedup"]) for r in overall
-                         if r["kind"] == kind and r["temperature"] == t)
-            if pts:
-                ax.plot(*zip(*pts), style, marker=marker, color=color, label=f"{kind.upper()} T={t:g}")
+        # one line per pipeline method family: the name without its n (spd, spd+retrieval, ppsd, spd-w4)
+        pipeline = [r for r in overall if r["kind"] in ("spd", "ppsd") and r["temperature"] == t]
+        families = dict.fromkeys(re.sub(r"-n\d+", "", r["method"]) for r in pipeline)
+        for i, family in enumerate(families):
+            pts = sorted((r["n"], r["theoretical_speedup"]) for r in pipeline
+                         if re.sub(r"-n\d+", "", r["method"]) == family)
+            ax.plot(*zip(*pts), style, marker="s" if family.startswith("ppsd") else "o",
+                    color=PIPELINE_COLORS[i % len(PIPELINE_COLORS)], label=f"{family} T={t:g}")
         eagle = sorted((r for r in overall if r["kind"] == "eagle" and r["temperature"] == t),
                        key=lambda r: (r["k"] is None, r["k"] or 0, r["method"]))   # chains, then trees
         for i, r in enumerate(eagle):
