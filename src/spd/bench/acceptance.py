@@ -92,11 +92,12 @@ class TargetProbs:
     probs(t) is the law of sequence[t]; None throughout when greedy."""
 
     def __init__(self, target: Target, snapshots: dict, params: SamplingParams):
-        self.target, self.params = target, params
-        self.last = None if params.greedy else snapshots[target.num_layers]
+        self.params = params
+        # every row's logits in one lm_head product: row by row would read its weight once per draft
+        self.logits = None if params.greedy else target.logits(snapshots[target.num_layers])
 
     def __call__(self, t: int) -> torch.Tensor | None:
-        return None if self.last is None else probs(self.target.logits(self.last[t - 1]), self.params)
+        return None if self.logits is None else probs(self.logits[t - 1], self.params)
 
 
 @torch.inference_mode()
