@@ -33,13 +33,13 @@ def plot_speedup_vs_n(rows: list[dict], path: Path) -> Path:
     ns = sorted({r["n"] for r in overall if r["kind"] in ("spd", "ppsd")})
     for t in sorted({r["temperature"] for r in overall}):
         style = STYLES.get(t, ":")
-        # one line per pipeline method family: the name without its n (spd, spd+retrieval, ppsd, spd-w4)
-        pipeline = [r for r in overall if r["kind"] in ("spd", "ppsd") and r["temperature"] == t]
-        families = dict.fromkeys(re.sub(r"-n\d+", "", r["method"]) for r in pipeline)
-        for i, family in enumerate(families):
-            pts = sorted((r["n"], r["theoretical_speedup"]) for r in pipeline
-                         if re.sub(r"-n\d+", "", r["method"]) == family)
-            ax.plot(*zip(*pts), style, marker="s" if family.startswith("ppsd") else "o",
+        # one line per pipeline drafter: the method's name without its n (spd, spd+retrieval, ppsd, spd-w4)
+        lines: dict[str, list] = {}
+        for r in overall:
+            if r["kind"] in ("spd", "ppsd") and r["temperature"] == t:
+                lines.setdefault(re.sub(r"-n\d+", "", r["method"]), []).append((r["n"], r["theoretical_speedup"]))
+        for i, (family, pts) in enumerate(lines.items()):
+            ax.plot(*zip(*sorted(pts)), style, marker="s" if family.startswith("ppsd") else "o",
                     color=PIPELINE_COLORS[i % len(PIPELINE_COLORS)], label=f"{family} T={t:g}")
         eagle = sorted((r for r in overall if r["kind"] == "eagle" and r["temperature"] == t),
                        key=lambda r: (r["k"] is None, r["k"] or 0, r["method"]))   # chains, then trees
