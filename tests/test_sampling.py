@@ -107,6 +107,15 @@ def test_probs_filters():
         SamplingParams(top_p=0)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.6),
+                                    SamplingParams(temperature=1.0, top_k=4, top_p=0.8)])
+def test_probs_of_a_batch_is_each_rows_probs(params):
+    """Rows differ in scale so a shared max, k-th value or normaliser would change them."""
+    rows = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([[0.5], [3.0], [9.0]])
+    assert torch.allclose(probs(rows, params), torch.stack([probs(row, params) for row in rows]))
+
+
 HYBRID_PROMPT = [1, 5, 2, 1, 5]   # the suffix 1,5 occurred before: retrieval has a match at once
 MIXED = Gate(min_len=1, max_len=2, threshold=[0.3, 0.6])   # retrieval and PDM drafts both verified
 

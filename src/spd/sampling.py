@@ -44,15 +44,15 @@ class SamplingParams:
 
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(V,) logits -> (V,) float32 probabilities after temperature, top-k and top-p."""
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p, row by row."""
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # shifted first (softmax does not change) and a temperature that float32 keeps above 0: a tiny
     # temperature gives 0 for the top logit and -inf below it, never inf - inf
-    logits = (logits - logits.max()) / max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(params.temperature, torch.finfo(logits.dtype).tiny)
     if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     p = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
@@ -61,7 +61,7 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         p = torch.zeros_like(p).scatter_(-1, order, sorted_p)
-        p = p / p.sum()
+        p = p / p.sum(-1, keepdim=True)
     return p
 
 

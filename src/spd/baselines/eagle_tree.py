@@ -67,7 +67,7 @@ def _log_q(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     (temperature, top-k, top-p as the target's p: tokens p gives 0 are never drafted)."""
     if params.greedy:
         return torch.log_softmax(logits.float(), -1)
-    return torch.log(torch.stack([probs(row, params) for row in logits]))
+    return torch.log(probs(logits, params))
 
 
 def _children(parents: list[Node], scores: torch.Tensor, top_k: int) -> list[Node]:
