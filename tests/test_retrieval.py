@@ -3,14 +3,12 @@
 import random
 
 import pytest
-import torch
 
-from conftest import chi_square_p, tiny_model
+from conftest import tiny_model
 from spd.baselines.ar import ar_generate
-from spd.drafters import PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
-from spd.retrieval import Gate, HybridDrafter, RetrievalDrafter, SuffixIndex, make_drafter
+from spd.retrieval import Gate, HybridDrafter, RetrievalDrafter, SuffixIndex
 from spd.target import Target, split_layers
 
 

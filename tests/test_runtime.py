@@ -14,7 +14,8 @@ from spd.checkpoint import save_pdm
 from spd.drafters import Candidate
 from spd.pdm import PDM
 from spd.runtime import Layout, LayoutError, plan, start
-from spd.runtime.controller import CycleTimes, LookaheadPolicy, breakdown
+from spd.engine import CycleTimes, LookaheadPolicy
+from spd.runtime.controller import breakdown
 from spd.runtime.faults import StatusBoard, diagnose
 from spd.runtime.layout import backend_for, pick_device
 from spd.runtime.protocol import Command, Op, report_indices

@@ -10,7 +10,6 @@ prefill). Each rank must hold exactly its own parameters.
 import pytest
 import torch
 
-from conftest import tiny_model
 from spd.baselines.ar import ar_generate
 from spd.checkpoint import load_pdm, save_pdm
 from spd.drafters import AdversarialDrafter, OracleDrafter, PDMDrafter

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_config, tiny_model
+from conftest import tiny_config
 from spd.baselines.ar import ar_generate
 from spd.checkpoint import load_pdm, save_pdm
 from spd.cli import app

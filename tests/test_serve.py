@@ -17,7 +17,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from typer.testing import CliRunner

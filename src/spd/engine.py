@@ -8,7 +8,8 @@ levels are deeper; candidates of one level share the caches under a tree attenti
 
 Lossless by construction: every emitted token is an accepted draft or the target's own token
 from the same prefix and cache that plain decoding would use (SPEC sections 2 and 5).
-This module knows nothing about processes; the distributed runtime reuses its pieces.
+The stage work goes through a runner: `LocalStages` here, one stage after another; the
+distributed runtime's `Controller` runs this same loop with the stages in other processes.
 """
 
 from __future__ import annotations
@@ -170,14 +171,116 @@ def check_tree(target: Target, drafter, config: TreeConfig) -> None:
                          f"{config.width} needs a drafter with `candidates` (pdm, hybrid, retrieval)")
 
 
+@dataclass
+class CycleTimes:
+    """One decode cycle as the loop saw it (seconds); the distributed runtime fills all of it."""
+
+    total: float = 0.0      # start of this cycle to start of the next
+    local_stage: float = 0.0  # stage 0 run in the control process (with-first-stage)
+    own: float = 0.0        # start until the control rank began to wait for reports (its own work)
+    pdm: float = 0.0
+    reports: float = 0.0    # start of the cycle until the last report arrived
+    verify: float = 0.0
+
+
+LOOKAHEAD = ("off", "on", "auto")
+
+
+class LookaheadPolicy:
+    """Whether to issue the next cycle before verifying: "off", "on", or "auto" (when it pays).
+
+    Looking ahead hides the verification time V of every exit and wastes one cycle T on every
+    rejection, so "auto" looks ahead while the running acceptance a > 1 - V / T.
+    """
+
+    def __init__(self, mode: str, smoothing: float = 0.1):
+        if mode not in LOOKAHEAD:
+            raise ValueError(f"lookahead must be one of {', '.join(LOOKAHEAD)}; got {mode!r}")
+        self.mode, self.smoothing = mode, smoothing
+        self.acceptance, self.verify, self.step = 0.5, 0.0, 0.0
+
+    def ahead(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "on"
+        return self.step > 0 and self.acceptance > 1.0 - self.verify / self.step
+
+    def update(self, accepted: bool, verify_seconds: float, step_seconds: float) -> None:
+        mix = lambda old, new: old + self.smoothing * (new - old)  # noqa: E731
+        self.acceptance = mix(self.acceptance, float(accepted))
+        self.verify = mix(self.verify, verify_seconds) if self.verify else verify_seconds
+        self.step = mix(self.step, step_seconds) if self.step else step_seconds
+
+
+@dataclass
+class Cycle:
+    levels: list[tuple[list[Node], int]]   # (a level's nodes, the stage k it runs), newest first
+    times: CycleTimes = field(default_factory=CycleTimes)
+
+
+class LocalStages:
+    """The stage work of `stream` done in this process: every stage, one after another, on one
+    cache. The distributed runtime's `Controller` has the same methods and does the work in the
+    stage processes; `stream` is the one schedule for both."""
+
+    lookahead = "off"   # issuing a cycle early only pays when other processes run it
+
+    def __init__(self, target: Target, stages: list[range]):
+        assert len(stages) >= 1 and stages[-1].stop == target.num_layers, stages
+        self.target, self.stages, self.n_stages = target, stages, len(stages)
+
+    def prefill(self, prompt_ids: list[int], features: torch.Tensor, column: dict, params, gen) -> int:
+        """The whole prompt through the whole model; the target's own first token."""
+        self.record, self.cache = set(column), self.target.new_cache(self.stages)   # recurrent layers keep n - k states
+        prompt = torch.tensor(prompt_ids, device=self.target.device)
+        last_hidden, snapshots = self.target.prefill(prompt, self.cache, self.record)
+        store_snapshots(features, slice(0, len(prompt_ids)), snapshots, column)
+        return sample(self.target.logits(last_hidden[0, -1]), params, gen)
+
+    def step(self, pipe: TreePipeline, work, hidden: torch.Tensor | None, first: int | None = None) -> Cycle:
+        """This cycle's stage step, to run in `finish` (the levels' inputs are their nodes' hidden)."""
+        return Cycle(work)
+
+    def start(self, cycle: Cycle) -> None:
+        """Nothing runs before the draft here: the stages read features the draft does not."""
+
+    def finish(self, cycle: Cycle, pipe: TreePipeline, features, column, stats: SPDStats) -> torch.Tensor:
+        """Every level runs its stage (all its nodes in one forward) and records the anchors it
+        passes; the root's output, which has passed the last stage if the root exits."""
+        device = self.target.device
+        for level, k in cycle.levels:
+            t = _now(device)
+            hidden = level[0].hidden if len(level) == 1 else torch.cat([node.hidden for node in level], 1)
+            positions = torch.tensor([node.position for node in level], device=device)
+            hidden, snapshots = self.target.run_layers(hidden, positions, self.stages[k], self.cache, self.record,
+                                                       pipe.stage_mask(k, level, device))
+            pipe.ran(k, level, hidden)
+            store_snapshots(features, [node.row for node in level], snapshots, column)
+            stats.stage_seconds[k] += _now(device) - t
+        return pipe.root.hidden
+
+    def logits(self, finished: torch.Tensor) -> torch.Tensor:
+        return self.target.logits(finished[0, -1])
+
+    def prune(self, exited: Node, kept: Node | None, pipe: TreePipeline) -> None:
+        """After verifying `exited`'s child: a rejection crops every cache after it; an accepted
+        child drops the branches not under it from the in-flight tails."""
+        if kept is None:
+            self.cache.crop(exited.position + 1)
+        for k, keep in enumerate(pipe.pruned):
+            if keep is not None:
+                self.cache.select(exited.position, keep, self.stages[k])
+
+
 @torch.inference_mode()
-def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list[range],
+def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
            params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
            eos_token_ids=(), stats: SPDStats | None = None, tree: TreeConfig = TreeConfig()) -> Iterator[int]:
     """Yield the verified new tokens of one sequence, one at a time, as SPD produces them.
-    `tree.width` W > 1 keeps up to W candidates per pipeline level (spd.tree)."""
-    n, device = len(stages), target.device
-    assert n >= 1 and stages[-1].stop == target.num_layers and len(prompt_ids) >= 1
+    `stages`: the n stages' layer ranges (run here, `LocalStages`) or a runner with its methods
+    (the distributed `Controller`). `tree.width` W > 1 keeps up to W candidates per level."""
+    runner = LocalStages(target, stages) if isinstance(stages, (list, tuple)) else stages
+    n, device = runner.n_stages, target.device
+    assert len(prompt_ids) >= 1
     check_tree(target, drafter, tree)
     stats = stats if stats is not None else SPDStats(n)
     start_stats(stats, n, len(prompt_ids), tree)
@@ -186,8 +289,6 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
     eos = set(eos_token_ids)
     gen = params.generator(device)
     column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
-    record = set(drafter.anchors)
-    cache = target.new_cache(stages)   # recurrent layers keep n - k states
     capacity = len(prompt_ids) + max_new_tokens + n + 1
     node_rows = TreePipeline.node_row_count(n, tree.width)   # in-flight tree nodes' rows
     features = torch.zeros(capacity + node_rows, len(column), target.hidden_size, device=device,
@@ -195,63 +296,71 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages: list
 
     # Prefill: the whole prompt through the whole model; the first token is the target's own.
     t0 = _now(device)
-    prompt = torch.tensor(prompt_ids, device=device)
-    last_hidden, snapshots = target.prefill(prompt, cache, record)
-    store_snapshots(features, slice(0, len(prompt_ids)), snapshots, column)
-    tokens = list(prompt_ids) + [sample(target.logits(last_hidden[0, -1]), params, gen)]
-    stats.prefill_seconds = _now(device) - t0
-    stats.new_tokens = 1
+    tokens = list(prompt_ids) + [runner.prefill(prompt_ids, features, column, params, gen)]
+    stats.prefill_seconds, stats.new_tokens = _now(device) - t0, 1
     yield tokens[-1]
     if tokens[-1] in eos or max_new_tokens == 1:
         return
 
     drafter.begin(len(prompt_ids))
     pipe = TreePipeline(tokens, n, tree, node_rows=capacity)   # the first token is the root
-    embed_level(target, pipe.newest, features, column)
+    policy = LookaheadPolicy(runner.lookahead)
     t_decode = _now(device)
+    cycle = runner.step(pipe, pipe.work(), embed_level(target, pipe.newest, features, column))
     while True:
-        work = pipe.work()
+        runner.start(cycle)   # a stage that runs in this process beside the draft (distributed)
         # 1. Draft the children of the newest level from features that exist before this cycle's stage work.
         if not drafter.after_stages:
-            proposals = propose(drafter, pipe, features, params, gen, stats)
-
-        # 2. Stage step: the level at depth k runs stage k (all its nodes in one forward) and
-        # records the anchors it passes.
-        for level, k in work:
             t = _now(device)
-            hidden = level[0].hidden if len(level) == 1 else torch.cat([node.hidden for node in level], 1)
-            positions = torch.tensor([node.position for node in level], device=device)
-            hidden, snapshots = target.run_layers(hidden, positions, stages[k], cache, record,
-                                                  pipe.stage_mask(k, level, device))
-            pipe.ran(k, level, hidden)
-            store_snapshots(features, [node.row for node in level], snapshots, column)
-            stats.stage_seconds[k] += _now(device) - t
-            stats.stage_tokens += len(level)
+            proposals = propose(drafter, pipe, features, params, gen, stats)
+            cycle.times.pdm = _now(device) - t
+
+        # 2. Stage step: the level at depth k runs stage k and records the anchors it passes.
+        finished = runner.finish(cycle, pipe, features, column, stats)
         stats.cycles += 1
+        stats.stage_tokens += sum(len(level) for level, _ in cycle.levels)
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
+            t = _now(device)
             proposals = propose(drafter, pipe, features, params, gen, stats, stepped=True)
+            cycle.times.pdm = _now(device) - t
 
         # The drafts join the pipeline at depth 0 (dropped again below if a rejection cuts them).
-        pipe.grow(proposals, fill=len(work))
+        pipe.grow(proposals, fill=len(cycle.levels))
 
         # 3. Exit + verify: the root has finished all n stages (n levels in flight, or fewer after
         # a pruning left a bubble).
+        ahead, token, kept = None, None, None
         if pipe.exits:
-            t = _now(device)
-            root = pipe.root
-            kept, token = settle(pipe, features, target.logits(root.hidden[0, -1]), params, gen, stats)
-            if kept is None:  # everything from the checked position on is gone: crop the caches there
-                cache.crop(root.position + 1)
-            for k, keep in enumerate(pipe.pruned):   # dropped branches leave the in-flight tails
-                if keep is not None:
-                    cache.select(root.position, keep, stages[k])
-            stats.verify_seconds += _now(device) - t
+            if policy.ahead():   # issue the next cycle as if the draft is accepted, then verify
+                hidden = embed_level(target, pipe.newest, features, column)
+                ahead = runner.step(pipe, pipe.work()[:-1], hidden, first=pipe.root.position + 1)
+            t, exited = _now(device), pipe.root
+            kept, token = settle(pipe, features, runner.logits(finished), params, gen, stats)
+            runner.prune(exited, kept, pipe)   # the caches drop what the verification cut
+            cycle.times.verify = _now(device) - t
+            stats.verify_seconds += cycle.times.verify
+            policy.update(kept is not None, cycle.times.verify, cycle.times.reports)
+        if token is not None:
+            done = token in eos or stats.new_tokens >= max_new_tokens
+            if ahead is not None and (done or kept is None):   # the looked-ahead cycle was in vain
+                runner.waste(ahead)
+                stats.cycles += 1
+                ahead = None
             stats.decode_seconds = _now(device) - t_decode
-            yield token
-            if token in eos or stats.new_tokens >= max_new_tokens:
+            try:
+                yield token
+            except GeneratorExit:   # the consumer stopped early: leave no message unmatched
+                if ahead is not None:
+                    runner.waste(ahead)
+                    stats.cycles += 1
+                raise
+            if done:
                 return
-        if pipe.newest[0].hidden is None:   # not when a pruning left an older level newest
-            embed_level(target, pipe.newest, features, column)
+        if ahead is not None:
+            cycle = ahead
+            continue
+        entering = pipe.newest[0].hidden is None   # not when a pruning left an older level newest
+        cycle = runner.step(pipe, pipe.work(), embed_level(target, pipe.newest, features, column) if entering else None)
 
 
 @dataclass

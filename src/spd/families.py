@@ -151,8 +151,6 @@ def check_against_hf(target, model, n_tokens: int = 8, n_prefill: int = 5) -> No
     as in decoding. On a mismatch the error names the first part that differs: the embedding,
     a decoder layer (by index and kind), or the logits (a scale or soft-cap spd does not apply).
     """
-    from .cache import KVCache
-
     vocab = target.vocab_size
     ids = (torch.arange(n_tokens) * 7919 + 3) % vocab
     ids = ids.to(target.device)

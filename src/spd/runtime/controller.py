@@ -1,19 +1,18 @@
 """The control rank: embedding, drafting, final norm + lm_head, verification; drives the stages.
 
-`Controller.stream` is the engine's schedule (spd.engine.stream) with the stage step done by
-other processes. It reuses the engine's pieces -- `tree.TreePipeline` (which nodes run which
-stage, grow, settle = verify + prune), `engine.propose` / `engine.settle` / `embed_level`,
-`store_snapshots`, the drafters and `sampling.verify_multi` -- so the two loops cannot drift
-apart. The chain (W = 1) is the tree's width-1 case, as in the engine. Per cycle:
+The schedule is `engine.stream`'s, the one decode loop: the Controller is its stage runner (the
+methods of `engine.LocalStages`), so the single-process and distributed runs cannot drift apart.
+What it adds is where the stage work happens. Per cycle:
 
-1. broadcast the command (newest/oldest in-flight positions, the crop of the last rejection;
-   with W > 1 also the tree shape: the child the last verification kept and every stage's
-   nodes), send the newest level's embedding to stage 0 (or run stage 0 here);
-2. draft from pre-step features while the stages compute (PPSD-style drafters: after step 3);
-3. take the stages' reports: anchor hidden states for the PDM, and the finished token (its
-   hidden state, or -- head on the last stage -- its argmax / logits computed there);
-4. if a token finished: lm_head (unless done by the last stage) + verify; a rejection becomes
-   the next command's crop, a kept child (W > 1) the next command's pruning.
+1. `step`: broadcast the command (newest/oldest in-flight positions, the crop of the last
+   rejection; with W > 1 also the tree shape: the child the last verification kept and every
+   stage's nodes), send the newest level's embedding to stage 0 (or `start` runs stage 0 here);
+2. the loop drafts from pre-step features while the stages compute;
+3. `finish`: take the stages' reports: anchor hidden states for the PDM, and the finished token
+   (its hidden state, or -- head on the last stage -- its argmax / logits computed there);
+4. the loop verifies (`logits`: lm_head here unless the last stage did it); `prune` keeps a
+   rejection's crop or a kept child (W > 1) for the next command. With lookahead the loop issues
+   the next cycle before verifying and `waste`s it after a rejection.
 
 Timing of every cycle is kept for the breakdown (PDM, slowest stage, verify, communication,
 idle) that `breakdown` computes once the stages sent their compute times.
@@ -27,25 +26,13 @@ from typing import Iterator
 import torch
 
 from ..drafters import Drafter
-from ..engine import SPDStats, check_tree, embed_level, propose, settle, start_stats, store_snapshots
+from ..engine import CycleTimes, LookaheadPolicy, SPDStats, store_snapshots, stream
 from ..sampling import SamplingParams, sample
 from ..target import Target
 from ..tree import Node, TreeConfig, TreePipeline
 from .layout import CONTROL_RANK, Layout
 from .protocol import Command, Link, Op, report_indices
 from .stage import StageWorker, now
-
-
-@dataclass
-class CycleTimes:
-    """One decode cycle as the control rank saw it (seconds)."""
-
-    total: float = 0.0      # start of this cycle to start of the next
-    local_stage: float = 0.0  # stage 0 run here (with-first-stage)
-    own: float = 0.0        # start until the control rank began to wait for reports (its own work)
-    pdm: float = 0.0
-    reports: float = 0.0    # start of the cycle until the last report arrived
-    verify: float = 0.0
 
 
 @dataclass
@@ -91,34 +78,6 @@ class Issued:
     reports: dict = field(default_factory=dict)
 
 
-LOOKAHEAD = ("off", "on", "auto")
-
-
-class LookaheadPolicy:
-    """Whether to issue the next cycle before verifying: "off", "on", or "auto" (when it pays).
-
-    Looking ahead hides the verification time V of every exit and wastes one cycle T on every
-    rejection, so "auto" looks ahead while the running acceptance a > 1 - V / T.
-    """
-
-    def __init__(self, mode: str, smoothing: float = 0.1):
-        if mode not in LOOKAHEAD:
-            raise ValueError(f"lookahead must be one of {', '.join(LOOKAHEAD)}; got {mode!r}")
-        self.mode, self.smoothing = mode, smoothing
-        self.acceptance, self.verify, self.step = 0.5, 0.0, 0.0
-
-    def ahead(self) -> bool:
-        if self.mode != "auto":
-            return self.mode == "on"
-        return self.step > 0 and self.acceptance > 1.0 - self.verify / self.step
-
-    def update(self, accepted: bool, verify_seconds: float, step_seconds: float) -> None:
-        mix = lambda old, new: old + self.smoothing * (new - old)  # noqa: E731
-        self.acceptance = mix(self.acceptance, float(accepted))
-        self.verify = mix(self.verify, verify_seconds) if self.verify else verify_seconds
-        self.step = mix(self.step, step_seconds) if self.step else step_seconds
-
-
 class Controller:
     """Rank 0 of a distributed run. `target` holds embedding, norm, lm_head (+ stage 0 if local).
 
@@ -144,6 +103,8 @@ class Controller:
         self.rows = [report_indices(layout.stages[k], self.anchors, layout.num_layers,
                                     k == n - 1 and not layout.head_on_last) for k in range(n)]
         self._sample = 0   # this sequence samples: a last stage holding the head sends logits
+        self._crop, self._accepted = -1, -1   # the last verification's cut, for the next command
+        self.cycles: list[CycleTimes] = []    # the current sequence's STEPs, in order
 
     # -- one cycle's messages -------------------------------------------------------------------
     def _close_times(self, t: float) -> None:
@@ -213,7 +174,42 @@ class Controller:
             return torch.nn.functional.one_hot(finished[0], self.target.vocab_size).float()
         return finished
 
-    def _waste(self, cycle: Issued) -> None:
+    # -- the stage runner of engine.stream (see engine.LocalStages) ----------------------------------
+    @property
+    def n_stages(self) -> int:
+        return self.layout.n_stages
+
+    def step(self, pipe: TreePipeline, work, hidden: torch.Tensor | None, first: int | None = None) -> Issued:
+        """Issue the STEP of `work` ((level, stage k), newest first; `hidden`: the embedding of
+        the level at depth 0, if one is), with the crop or pruning of the last verification.
+        W = 1: the chain's command, positions first..newest."""
+        first = pipe.root.position if first is None else first
+        tree = tuple(pipe.shape(work, self._accepted).encode(pipe.width)) if pipe.width > 1 else ()
+        command = Command(Op.STEP, newest=pipe.newest[0].position, first=first, crop=self._crop, sample=self._sample,
+                          tree=tree)
+        self._crop, self._accepted = -1, -1
+        issued = self._issue(command, hidden, [([node.row for node in level], k) for level, k in work], work)
+        self.cycles.append(issued.times)
+        return issued
+
+    def start(self, cycle: Issued) -> None:
+        self._run_local(cycle)
+
+    def finish(self, cycle: Issued, pipe: TreePipeline, features, column, stats) -> torch.Tensor | None:
+        finished = self._collect(cycle, features, column)
+        for level, k in cycle.levels:
+            pipe.ran(k, level)   # the stage processes keep the outputs
+        return finished
+
+    def prune(self, exited: Node, kept: Node | None, pipe: TreePipeline) -> None:
+        """The next command carries it: a rejection crops every stage after `exited`; a kept
+        child (W > 1) drops the branches not under it."""
+        if kept is None:
+            self._crop = exited.position + 1
+        elif self.tree.width > 1:
+            self._accepted = kept.uid
+
+    def waste(self, cycle: Issued) -> None:
         """Finish a looked-ahead cycle whose work a rejection (or the end) made useless."""
         if self.local is not None:
             self.local.skip(cycle.command)
@@ -223,19 +219,10 @@ class Controller:
             self.link.take(cycle.verdict)
         self.link.flush(before_cycle=True)
 
-    def _step(self, pipe: TreePipeline, work, hidden: torch.Tensor | None, crop: int = -1, accepted: int = -1,
-              first: int | None = None) -> Issued:
-        """Issue the STEP of `work` ((level, stage k), newest first; `hidden`: the embedding of
-        the level at depth 0, if one is). W = 1: the chain's command, positions first..newest."""
-        first = pipe.root.position if first is None else first
-        tree = tuple(pipe.shape(work, accepted).encode(pipe.width)) if pipe.width > 1 else ()
-        command = Command(Op.STEP, newest=pipe.newest[0].position, first=first, crop=crop, sample=self._sample,
-                          tree=tree)
-        return self._issue(command, hidden, [([node.row for node in level], k) for level, k in work], work)
-
-    def _prefill(self, prompt_ids, features, column, params, gen) -> int:
+    def prefill(self, prompt_ids, features, column, params, gen) -> int:
         """The prompt through the stages, pipelined in chunks (crop to 0 first); the target's own
         first token."""
+        self._crop, self._accepted = -1, -1
         length = len(prompt_ids)
         hidden = self.target.embed(torch.tensor(prompt_ids, device=self.link.device))
         store_snapshots(features, slice(0, length), {0: hidden[0]}, column)
@@ -244,98 +231,22 @@ class Controller:
         self._run_local(prefill)
         return sample(self.logits(self._collect(prefill, features, column, patient=True)), params, gen)
 
-    # -- the schedule -----------------------------------------------------------------------------
-    @torch.inference_mode()
+    # -- one sequence ------------------------------------------------------------------------------
     def stream(self, drafter: Drafter, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                max_new_tokens: int = 128, eos_token_ids=(), stats: DistributedStats | None = None,
                cycles: list[CycleTimes] | None = None) -> Iterator[int]:
-        """Yield the verified new tokens of one sequence (the same tokens engine.stream yields)."""
-        n, target, device = self.layout.n_stages, self.target, self.link.device
-        assert len(prompt_ids) >= 1
+        """Yield the verified new tokens of one sequence: `engine.stream` with this controller
+        doing the stage work. `cycles` receives every STEP's times (for `breakdown`)."""
         missing = sorted(set(drafter.anchors) - set(self.anchors))
         if missing:
             raise ValueError(f"the drafter needs anchors {missing} that this run does not record "
                              f"(it records {self.anchors}); start the run with the drafter's anchors")
-        check_tree(target, drafter, self.tree)
-        stats = stats if stats is not None else DistributedStats(n)
-        start_stats(stats, n, len(prompt_ids), self.tree)
-        cycles = cycles if cycles is not None else []
-        if max_new_tokens < 1:
-            return
         self._sample = int(not params.greedy)
-        eos, gen = set(eos_token_ids), params.generator(device)
-        column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
-        capacity = len(prompt_ids) + max_new_tokens + n + 1
-        node_rows = TreePipeline.node_row_count(n, self.tree.width)
-        features = torch.zeros(capacity + node_rows, len(column), target.hidden_size, device=device,
-                               dtype=target.dtype)
-
-        t0, length = now(device), len(prompt_ids)
-        tokens = list(prompt_ids) + [self._prefill(prompt_ids, features, column, params, gen)]
-        stats.prefill_seconds, stats.new_tokens = now(device) - t0, 1
-        yield tokens[-1]
-        if tokens[-1] in eos or max_new_tokens == 1:
-            return
-
-        drafter.begin(length)
-        policy = LookaheadPolicy(self.lookahead)
-        pipe = TreePipeline(tokens, n, self.tree, node_rows=capacity)   # the first token is the root
-        t_decode = now(device)
-        cycle = self._step(pipe, pipe.work(), embed_level(target, pipe.newest, features, column))
-        while True:
-            self._run_local(cycle)
-            if not drafter.after_stages:   # concurrently with the stages
-                t = now(device)
-                proposals = propose(drafter, pipe, features, params, gen, stats)
-                cycle.times.pdm = now(device) - t
-            finished = self._collect(cycle, features, column)
-            stats.cycles += 1
-            for level, k in cycle.levels:
-                pipe.ran(k, level)   # the stage processes keep the outputs
-                stats.stage_tokens += len(level)
-            if drafter.after_stages:   # PPSD-style: from the newest token's stage-1 output
-                t = now(device)
-                proposals = propose(drafter, pipe, features, params, gen, stats, stepped=True)
-                cycle.times.pdm = now(device) - t
-            pipe.grow(proposals, fill=len(cycle.levels))   # the drafts join at depth 0
-            ahead, token, kept, crop, accepted = None, None, None, -1, -1
-            if pipe.exits:   # the root finished all n stages: verify level 1
-                if policy.ahead():   # issue the next cycle as if the draft is accepted, then verify
-                    hidden = embed_level(target, pipe.newest, features, column)
-                    ahead = self._step(pipe, pipe.work()[:-1], hidden, first=pipe.root.position + 1)
-                t = now(device)
-                kept, token = settle(pipe, features, self.logits(finished), params, gen, stats)
-                if kept is None:     # every stage crops to the corrected position next cycle
-                    crop = pipe.root.position
-                else:                # every stage drops the branches not under the kept child
-                    accepted = kept.uid if self.tree.width > 1 else -1
-                cycle.times.verify = now(device) - t
-                stats.verify_seconds += cycle.times.verify
-                policy.update(kept is not None, cycle.times.verify, cycle.times.reports)
-            cycles.append(cycle.times)
-            if token is not None:
-                done = token in eos or stats.new_tokens >= max_new_tokens
-                if ahead is not None and (done or kept is None):   # the looked-ahead cycle was in vain
-                    self._waste(ahead)
-                    stats.cycles += 1
-                    cycles.append(ahead.times)
-                    ahead = None
-                stats.decode_seconds = now(device) - t_decode
-                try:
-                    yield token
-                except GeneratorExit:   # the consumer stopped early: leave no message unmatched
-                    if ahead is not None:
-                        self._waste(ahead)
-                    raise
-                if done:
-                    self._close_times(now(device))
-                    return
-            if ahead is not None:
-                cycle = ahead
-                continue
-            entering = pipe.newest[0].hidden is None   # not when a pruning left an older level newest
-            hidden = embed_level(target, pipe.newest, features, column) if entering else None
-            cycle = self._step(pipe, pipe.work(), hidden, crop, accepted)
+        stats = stats if stats is not None else DistributedStats(self.layout.n_stages)
+        self.cycles = cycles if cycles is not None else []
+        yield from stream(self.target, drafter, prompt_ids, self, params, max_new_tokens, eos_token_ids, stats,
+                          self.tree)
+        self._close_times(now(self.link.device))
 
     def gather_timings(self, cycles: int) -> list[list[float]]:
         """STATS: every stage's [prefill, per-cycle compute seconds] of the current sequence."""

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import read_config
-from ..engine import GenerationResult
+from ..engine import LOOKAHEAD, CycleTimes, GenerationResult
 from ..pdm import default_anchors, fits_split
 from ..retrieval import Gate, drafter_kind, make_drafter
 from ..sampling import SamplingParams
 from ..families import RECURRENT_KINDS, layer_kinds
 from ..shipped import shipped_pdm
 from ..tree import TreeConfig
-from .controller import LOOKAHEAD, Controller, CycleTimes, DistributedStats, breakdown
+from .controller import Controller, DistributedStats, breakdown
 from .faults import Progress, StageFailure, StatusBoard, describe_exit, diagnose, read_status
 from .layout import CONTROL_RANK, Layout, LayoutError, backend_for, default_threads, pick_device
 from .protocol import Link, PeerError, command_size
