@@ -286,13 +286,11 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
     start_stats(stats, n, len(prompt_ids), tree)
     if max_new_tokens < 1:
         return
-    eos = set(eos_token_ids)
-    gen = params.generator(device)
-    column = {anchor: i for i, anchor in enumerate(drafter.anchors)}
-    capacity = len(prompt_ids) + max_new_tokens + n + 1
-    node_rows = TreePipeline.node_row_count(n, tree.width)   # in-flight tree nodes' rows
-    features = torch.zeros(capacity + node_rows, len(column), target.hidden_size, device=device,
-                           dtype=target.dtype)
+    eos, gen = set(eos_token_ids), params.generator(device)
+    column = {anchor: i for i, anchor in enumerate(drafter.anchors)}   # anchor -> feature column
+    capacity = len(prompt_ids) + max_new_tokens + n + 1   # positions; then the in-flight tree nodes' rows
+    rows = capacity + TreePipeline.node_row_count(n, tree.width)
+    features = torch.zeros(rows, len(column), target.hidden_size, device=device, dtype=target.dtype)
 
     # Prefill: the whole prompt through the whole model; the first token is the target's own.
     t0 = _now(device)
