@@ -1,4 +1,4 @@
-"""The single-process SPD schedule: prefill, then per cycle draft -> stages -> exit/verify.
+"""The SPD schedule, in one place: prefill, then per cycle draft -> stages -> exit/verify.
 
 `stream()` is the one decode loop (a generator of verified tokens); `generate()` consumes it.
 The pipeline (`spd.tree.TreePipeline`) is a list of levels, oldest first: level d holds the
@@ -8,7 +8,7 @@ levels are deeper; candidates of one level share the caches under a tree attenti
 
 Lossless by construction: every emitted token is an accepted draft or the target's own token
 from the same prefix and cache that plain decoding would use (SPEC sections 2 and 5).
-The stage work goes through a runner: `LocalStages` here, one stage after another; the
+The stage work goes through a `StageRunner`: `LocalStages` here, one stage after another; the
 distributed runtime's `Controller` runs this same loop with the stages in other processes.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -119,13 +119,13 @@ def store_snapshots(features: torch.Tensor, positions, snapshots: dict, column: 
 def propose(drafter, pipe: TreePipeline, features, params, gen, stats, stepped=False) -> list[list[Candidate]]:
     """Candidates for the children of every newest-level node. W = 1 asks the drafter's one
     `draft` (the chain); W > 1 its `candidates` for all leaves at once."""
-    t = time.perf_counter()
+    t = _now(features.device)
     if pipe.width == 1:
         draft, q = drafter.draft(pipe.draft_state(features, stepped), params, gen)
         proposals = [[Candidate(draft, 0.0, draft_source(drafter), q)]]
     else:
         proposals = drafter.candidates(pipe.tree_state(features), params, gen, pipe.width)
-    stats.pdm_seconds += time.perf_counter() - t
+    stats.pdm_seconds += _now(features.device) - t
     return proposals
 
 
@@ -213,14 +213,31 @@ class LookaheadPolicy:
 
 @dataclass
 class Cycle:
+    """A cycle of `LocalStages`: what runs, and its times (the loop fills pdm and verify)."""
+
     levels: list[tuple[list[Node], int]]   # (a level's nodes, the stage k it runs), newest first
     times: CycleTimes = field(default_factory=CycleTimes)
 
 
+class StageRunner(Protocol):
+    """Where `stream`'s stage work runs: `LocalStages` (this process) or the runtime's
+    `Controller` (stage processes). A cycle object carries `levels` and `times` (CycleTimes)."""
+
+    n_stages: int
+    lookahead: str   # LookaheadPolicy mode; "off" where nothing runs in parallel with verification
+
+    def prefill(self, prompt_ids, features, column, params, gen) -> int: ...   # the target's first token
+    def step(self, pipe, work, hidden, first=None): ...   # issue a cycle: (level, stage k), newest first
+    def start(self, cycle) -> None: ...   # its share that runs here beside the draft
+    def finish(self, cycle, pipe, features, column, stats): ...   # the rest; the root's output
+    def logits(self, finished) -> torch.Tensor: ...   # (V,) logits of the exiting root
+    def prune(self, exited, kept, pipe) -> None: ...   # the caches drop what verification cut
+    def waste(self, cycle) -> None: ...   # drain a looked-ahead cycle made useless (lookahead only)
+
+
 class LocalStages:
-    """The stage work of `stream` done in this process: every stage, one after another, on one
-    cache. The distributed runtime's `Controller` has the same methods and does the work in the
-    stage processes; `stream` is the one schedule for both."""
+    """`StageRunner` in this process: every stage, one after another, on one cache (no `waste`:
+    it never looks ahead)."""
 
     lookahead = "off"   # issuing a cycle early only pays when other processes run it
 
@@ -280,7 +297,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
     (the distributed `Controller`). `tree.width` W > 1 keeps up to W candidates per level."""
     runner = LocalStages(target, stages) if isinstance(stages, (list, tuple)) else stages
     n, device = runner.n_stages, target.device
-    assert len(prompt_ids) >= 1
+    assert len(prompt_ids) >= 1 and getattr(runner, "tree", tree) == tree, "the runner was set up for another tree"
     check_tree(target, drafter, tree)
     stats = stats if stats is not None else SPDStats(n)
     start_stats(stats, n, len(prompt_ids), tree)
@@ -309,18 +326,18 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
         runner.start(cycle)   # a stage that runs in this process beside the draft (distributed)
         # 1. Draft the children of the newest level from features that exist before this cycle's stage work.
         if not drafter.after_stages:
-            t = _now(device)
+            pdm = stats.pdm_seconds
             proposals = propose(drafter, pipe, features, params, gen, stats)
-            cycle.times.pdm = _now(device) - t
+            cycle.times.pdm = stats.pdm_seconds - pdm
 
         # 2. Stage step: the level at depth k runs stage k and records the anchors it passes.
         finished = runner.finish(cycle, pipe, features, column, stats)
         stats.cycles += 1
         stats.stage_tokens += sum(len(level) for level, _ in cycle.levels)
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
-            t = _now(device)
+            pdm = stats.pdm_seconds
             proposals = propose(drafter, pipe, features, params, gen, stats, stepped=True)
-            cycle.times.pdm = _now(device) - t
+            cycle.times.pdm = stats.pdm_seconds - pdm
 
         # The drafts join the pipeline at depth 0 (dropped again below if a rejection cuts them).
         pipe.grow(proposals, fill=len(cycle.levels))
@@ -348,7 +365,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
             try:
                 yield token
             except GeneratorExit:   # the consumer stopped early: leave no message unmatched
-                if ahead is not None:
+                if ahead is not None:   # the stages ran it: counted like any wasted cycle
                     runner.waste(ahead)
                     stats.cycles += 1
                 raise

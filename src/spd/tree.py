@@ -15,9 +15,9 @@ the root exits, its logits verify level 1: the accepted child becomes the root, 
 under it is pruned, and `settle` says which tail entries each stage keeps (the engine compacts
 the caches); on rejection the target's token restarts the pipeline (caches cropped there).
 
-This module knows nothing about models or processes: the engine (spd.engine.stream) and the
-distributed controller (spd.runtime.controller) drive `TreePipeline`; a stage process of the
-distributed runtime mirrors its own `StageTail` from each cycle's `TreeShape`.
+This module knows nothing about models or processes: the engine's loop (spd.engine.stream, in
+one process or distributed) drives `TreePipeline`; the distributed controller sends each cycle's
+`TreeShape`, from which a stage process mirrors its own `StageTail`.
 """
 
 from __future__ import annotations

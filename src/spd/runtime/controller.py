@@ -183,6 +183,8 @@ class Controller:
         """Issue the STEP of `work` ((level, stage k), newest first; `hidden`: the embedding of
         the level at depth 0, if one is), with the crop or pruning of the last verification.
         W = 1: the chain's command, positions first..newest."""
+        # a looked-ahead step goes out before verification, so no cut is pending (and W = 1)
+        assert first is None or (self._crop, self._accepted) == (-1, -1)
         first = pipe.root.position if first is None else first
         tree = tuple(pipe.shape(work, self._accepted).encode(pipe.width)) if pipe.width > 1 else ()
         command = Command(Op.STEP, newest=pipe.newest[0].position, first=first, crop=self._crop, sample=self._sample,
@@ -222,6 +224,11 @@ class Controller:
     def prefill(self, prompt_ids, features, column, params, gen) -> int:
         """The prompt through the stages, pipelined in chunks (crop to 0 first); the target's own
         first token."""
+        missing = sorted(set(column) - set(self.anchors))
+        if missing:
+            raise ValueError(f"the drafter needs anchors {missing} that this run does not record "
+                             f"(it records {self.anchors}); start the run with the drafter's anchors")
+        self._sample = int(not params.greedy)   # a last stage holding the head sends logits, else the argmax
         self._crop, self._accepted = -1, -1
         length = len(prompt_ids)
         hidden = self.target.embed(torch.tensor(prompt_ids, device=self.link.device))
@@ -237,16 +244,13 @@ class Controller:
                cycles: list[CycleTimes] | None = None) -> Iterator[int]:
         """Yield the verified new tokens of one sequence: `engine.stream` with this controller
         doing the stage work. `cycles` receives every STEP's times (for `breakdown`)."""
-        missing = sorted(set(drafter.anchors) - set(self.anchors))
-        if missing:
-            raise ValueError(f"the drafter needs anchors {missing} that this run does not record "
-                             f"(it records {self.anchors}); start the run with the drafter's anchors")
-        self._sample = int(not params.greedy)
         stats = stats if stats is not None else DistributedStats(self.layout.n_stages)
         self.cycles = cycles if cycles is not None else []
-        yield from stream(self.target, drafter, prompt_ids, self, params, max_new_tokens, eos_token_ids, stats,
-                          self.tree)
-        self._close_times(now(self.link.device))
+        try:
+            yield from stream(self.target, drafter, prompt_ids, self, params, max_new_tokens, eos_token_ids, stats,
+                              self.tree)
+        finally:   # the last cycle's total ends here, not at the next sequence's prefill
+            self._close_times(now(self.link.device))
 
     def gather_timings(self, cycles: int) -> list[list[float]]:
         """STATS: every stage's [prefill, per-cycle compute seconds] of the current sequence."""
