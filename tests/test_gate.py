@@ -78,3 +78,49 @@ def test_a_length_whose_retrievals_were_all_wrong_leaves_a_retrieved_candidate_i
     assert gate.accuracy == [0.0, 0.0]
     first = top_candidates(torch.zeros(8), SamplingParams(), 2, "pdm", (3, gate.prior(1)))[0]
     assert first.token == 3 and first.logprob == pytest.approx(-torch.log(torch.tensor(8.0)).item())   # its PDM log q
+
+
+def expected_accepted(records, length, threshold):
+    return sum(r.retrieval_p if r.pdm_top1 < threshold else r.pdm_overlap
+               for r in records if min(r.match_len, 4) == length and not r.agree)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampled_thresholds_maximise_the_expected_accepted_drafts(seed):
+    """Retrieval is right (the argmax) as often as in the greedy records, but a right argmax is
+    accepted at T > 0 with p(token) only, so the sampled thresholds take it less often."""
+    rng = random.Random(seed)
+    records = random_records(seed)
+    for r in records:
+        r.retrieval_p = rng.uniform(0.3, 0.7) if r.retrieval_right else rng.uniform(0.0, 0.1)
+        r.pdm_overlap = rng.uniform(0.2, 0.6)
+    gate = fit_gate(records, max_len=4, min_count=20, temperature=1.0)
+    assert gate.threshold == fit_gate(records, max_len=4, min_count=20).threshold   # greedy unchanged
+    for length in (1, 2, 3, 4):
+        candidates = [0.0, 1.01] + sorted({r.pdm_top1 + 1e-6 for r in records})
+        assert expected_accepted(records, length, gate.sampled_threshold[length - 1]) == pytest.approx(max(
+            expected_accepted(records, length, t) for t in candidates))
+    assert sum(gate.sampled_threshold) < sum(gate.threshold) and gate.sampled_temperature == 1.0
+
+
+def test_the_hybrid_drafter_gates_with_the_sampled_thresholds_when_sampling():
+    """A gate that always takes retrieval when greedy and never when sampling: the drafter's
+    sources follow the mode; a gate fitted before sampled thresholds existed uses the greedy ones."""
+    from spd.engine import generate
+    from spd.retrieval import HybridDrafter
+    from spd.sampling import SamplingParams
+
+    target = Target.from_hf(tiny_model("llama", num_layers=4, vocab=16, seed=3))
+    pdm = PDM.create(target, [len(s) for s in split_layers(4, 2)], seed=1).eval()
+    split = Gate(min_len=1, max_len=2, threshold=[1.01, 1.01], sampled_min_len=2, sampled_threshold=[0.0, 0.0],
+                 sampled_temperature=1.0)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+
+    def sources(gate, temperature):
+        result = generate(target, HybridDrafter(pdm, gate), prompt, split_layers(4, 2),
+                          SamplingParams(temperature=temperature, seed=0), max_new_tokens=24, eos_token_ids=())
+        return result.stats.drafts_by_source
+
+    assert "retrieval" in sources(split, 0.0)   # (the PDM drafts where nothing matches)
+    assert "retrieval" not in sources(split, 1.0)
+    assert "retrieval" in sources(Gate(min_len=1, max_len=2, threshold=[1.01, 1.01]), 1.0)

@@ -121,6 +121,12 @@ class Gate:
     conversations; `Gate()` serves checkpoints saved without one. `accuracy[L-1]` is how often a
     retrieved token of match length L was right there where the PDM's top-1 was another token:
     in a token tree the retrieved candidate scores at least that (`prior`).
+
+    Sampling (T > 0) has its own thresholds (`sampled_*`, fitted at `sampled_temperature`): there a
+    retrieved token, a point mass, is accepted with the target's probability of it, p(token), and
+    the PDM's sampled draft with sum_x min(p, q), so retrieval pays off less often than greedy
+    (an argmax that is right is still often rejected at T = 1). A gate without them (fitted before
+    they existed) uses the greedy thresholds for sampling too.
     """
 
     min_len: int = 2
@@ -128,6 +134,9 @@ class Gate:
     threshold: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.8, 0.9, 1.01, 1.01, 1.01, 1.01])
     fitted_on: str = "default (not fitted)"
     accuracy: list[float] | None = None
+    sampled_min_len: int | None = None
+    sampled_threshold: list[float] | None = None
+    sampled_temperature: float | None = None
 
     def __post_init__(self):
         if not 1 <= self.min_len <= self.max_len or len(self.threshold) != self.max_len:
@@ -135,6 +144,10 @@ class Gate:
                              f"min_len={self.min_len}, max_len={self.max_len}, {len(self.threshold)} thresholds")
         if self.accuracy is not None and (len(self.accuracy) != self.max_len or not all(0 <= a <= 1 for a in self.accuracy)):
             raise ValueError(f"gate accuracy needs max_len={self.max_len} values in [0, 1]; got {self.accuracy}")
+        if (self.sampled_threshold is None) != (self.sampled_min_len is None) or (
+                self.sampled_threshold is not None and len(self.sampled_threshold) != self.max_len):
+            raise ValueError(f"a gate's sampled thresholds need sampled_min_len and max_len={self.max_len} "
+                             f"values; got {self.sampled_min_len}, {self.sampled_threshold}")
 
     def prior(self, match_len: int) -> float:
         """The least score of a retrieved candidate in a token tree, by its match length."""
@@ -142,11 +155,18 @@ class Gate:
             return retrieval_prior(match_len)
         return self.accuracy[min(match_len, self.max_len) - 1]
 
-    def skips_pdm(self, match_len: int) -> bool:
-        return match_len >= self.min_len and self.threshold[min(match_len, self.max_len) - 1] > 1.0
+    def _cut(self, match_len: int, sampling: bool) -> float:
+        """The threshold for this match length (0 below the minimum length)."""
+        sampled = sampling and self.sampled_threshold is not None
+        min_len, thresholds = ((self.sampled_min_len, self.sampled_threshold) if sampled
+                               else (self.min_len, self.threshold))
+        return thresholds[min(match_len, self.max_len) - 1] if match_len >= min_len else 0.0
 
-    def takes_retrieval(self, match_len: int, pdm_top1: float) -> bool:
-        return match_len >= self.min_len and pdm_top1 < self.threshold[min(match_len, self.max_len) - 1]
+    def skips_pdm(self, match_len: int, sampling: bool = False) -> bool:
+        return self._cut(match_len, sampling) > 1.0
+
+    def takes_retrieval(self, match_len: int, pdm_top1: float, sampling: bool = False) -> bool:
+        return pdm_top1 < self._cut(match_len, sampling)
 
     def save(self, folder) -> Path:
         path = Path(folder) / GATE_FILE
@@ -216,12 +236,14 @@ class HybridDrafter:
     def draft(self, state, params, gen):
         self.index.sync(state.tokens, state.first_inflight)
         retrieved, match_len = self.index.lookup()
-        if retrieved is not None and self.gate.skips_pdm(match_len):
+        sampling = not params.greedy
+        if retrieved is not None and self.gate.skips_pdm(match_len, sampling):
             self.last_source = "retrieval"   # the PDM catches up on these rows at its next forward
             return retrieved, None
         logits = self.pdm_drafter.logits(state)
         top1_p, top1 = torch.softmax(logits, -1).max(-1)
-        if retrieved is not None and retrieved != int(top1) and self.gate.takes_retrieval(match_len, float(top1_p)):
+        if (retrieved is not None and retrieved != int(top1)
+                and self.gate.takes_retrieval(match_len, float(top1_p), sampling)):
             self.last_source = "retrieval"
             return retrieved, None
         self.last_source = "both" if retrieved == int(top1) else "pdm"

@@ -11,6 +11,11 @@ and the PDM drafts each position from the saturated pipeline's features, as when
 
 `spd gate --model M --pdm FOLDER --data chat.jsonl` writes the fitted gate beside the PDM
 (`retrieval_gate.json`); checkpoints without one use `Gate()`'s documented defaults.
+
+Sampling gets thresholds of its own, fitted the same way at `--temperature` (default 1) on the
+same positions, with expected acceptances in place of right drafts: p(retrieved token) for the
+retrieved point mass, sum_x min(p, q) for the PDM's sampled draft (p, q processed at that
+temperature, as verification sees them).
 """
 
 from __future__ import annotations
@@ -34,23 +39,29 @@ class GateRecord:
     retrieval_right: bool
     pdm_right: bool
     agree: bool = False   # retrieval == the PDM's top-1 (no choice to make: the fit skips these)
+    retrieval_p: float = 0.0   # sampling: the chance the retrieved token is accepted, p(token)
+    pdm_overlap: float = 0.0   # sampling: the chance the PDM's sampled draft is, sum_x min(p, q)
 
 
 @torch.inference_mode()
-def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_len: int = 8
-                 ) -> list[GateRecord]:
+def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_len: int = 8,
+                 temperature: float = 0.0) -> list[GateRecord]:
     """Every retrieval match along one training conversation, and whether the PDM agreed.
 
     One target forward over prompt + answer gives the anchor features of every position and the
     target's own next token after each prefix (what verification would accept). Each answer
     position is then drafted as in the saturated pipeline (n in flight), as the engine would
-    draft it after that prefix."""
+    draft it after that prefix. With `temperature` > 0 also the sampled acceptances (see GateRecord)."""
     from ..bench.acceptance import sequence_features
     from ..drafters import DraftState, PDMDrafter
+    from ..sampling import SamplingParams, probs
 
     n, sequence = pdm.config.n_stages, list(prompt_ids) + list(answer_ids)
     features, last_hidden = sequence_features(target, sequence, pdm.anchors)
-    target_next = target.logits(last_hidden).argmax(-1).tolist()   # target's token after each prefix
+    logits = target.logits(last_hidden)
+    target_next = logits.argmax(-1).tolist()   # target's token after each prefix
+    params = SamplingParams(temperature=temperature)
+    p = probs(logits, params) if temperature > 0 else None   # (S, V) the target's law after each prefix
     drafter, index = PDMDrafter(pdm), SuffixIndex(max_len)
     drafter.begin(len(prompt_ids))
     records = []
@@ -58,39 +69,64 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
         state = DraftState(sequence[:t + 1], max(len(prompt_ids), t - n + 1), n, features)
         index.sync(state.tokens, t)
         retrieved, length = index.lookup()
-        p, top1 = torch.softmax(drafter.logits(state), -1).max(-1)
-        if retrieved is not None:
-            records.append(GateRecord(length, float(p), retrieved == target_next[t], int(top1) == target_next[t],
-                                      agree=retrieved == int(top1)))
+        if retrieved is None:
+            continue
+        pdm_logits = drafter.logits(state)
+        top1_p, top1 = torch.softmax(pdm_logits, -1).max(-1)
+        record = GateRecord(length, float(top1_p), retrieved == target_next[t], int(top1) == target_next[t],
+                            agree=retrieved == int(top1))
+        if p is not None:
+            record.retrieval_p = float(p[t, retrieved])
+            record.pdm_overlap = float(torch.minimum(p[t], probs(pdm_logits, params)).sum())
+        records.append(record)
     return records
 
 
-def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, fitted_on: str = "") -> Gate:
+def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, fitted_on: str = "",
+             temperature: float = 0.0) -> Gate:
     """Per match length, where retrieval and the PDM's top-1 disagree: the threshold on the PDM's
     top-1 probability that maximises right drafts, and how often the retrieved token was right
-    (the score a token tree gives a retrieved candidate beside the PDM's own).
+    (the score a token tree gives a retrieved candidate beside the PDM's own); with `temperature`
+    > 0 also the sampled thresholds, maximising the expected accepted drafts.
 
     Lengths with fewer than `min_count` records take the threshold (accuracy) of the next shorter
     length (longer matches are at least as trustworthy); retrieval needs a match of at least the
     shortest length whose threshold is above 0."""
-    thresholds, accuracy = [], []
-    for length in range(1, max_len + 1):
-        sel = sorted((r for r in records if min(r.match_len, max_len) == length and not r.agree),
-                     key=lambda r: r.pdm_top1)
+    by_length = [sorted((r for r in records if min(r.match_len, max_len) == length and not r.agree),
+                        key=lambda r: r.pdm_top1) for length in range(1, max_len + 1)]
+    accuracy = []
+    for length, sel in enumerate(by_length, start=1):
         if len(sel) < min_count:
             accuracy.append(accuracy[-1] if accuracy else retrieval_prior(length))
         else:
             accuracy.append(round(sum(r.retrieval_right for r in sel) / len(sel), 4))
+    min_len, thresholds = _thresholds(by_length, min_count, lambda r: r.retrieval_right, lambda r: r.pdm_right)
+    sampled = {}
+    if temperature > 0:
+        sampled_min_len, sampled_thresholds = _thresholds(by_length, min_count, lambda r: r.retrieval_p,
+                                                          lambda r: r.pdm_overlap)
+        sampled = dict(sampled_min_len=sampled_min_len, sampled_threshold=sampled_thresholds,
+                       sampled_temperature=temperature)
+    return Gate(min_len=min_len, max_len=max_len, threshold=thresholds, fitted_on=fitted_on, accuracy=accuracy,
+                **sampled)
+
+
+def _thresholds(by_length: list[list[GateRecord]], min_count: int, retrieval_value, pdm_value
+                ) -> tuple[int, list[float]]:
+    """(min_len, a threshold per length): retrieval below the threshold, the PDM above, chosen to
+    maximise the summed value of the drafts taken (records sorted by the PDM's top-1)."""
+    thresholds = []
+    for sel in by_length:
         if len(sel) < min_count:
             thresholds.append(thresholds[-1] if thresholds else 0.0)
             continue
-        # retrieval for the first i records (lowest p), the PDM for the rest: right drafts for each i
-        right = best = sum(r.pdm_right for r in sel)
+        # retrieval for the first i records (lowest p), the PDM for the rest: the value for each i
+        value = best = sum(pdm_value(r) for r in sel)
         best_i = 0
         for i, r in enumerate(sel, start=1):
-            right += r.retrieval_right - r.pdm_right
-            if right > best and (i == len(sel) or sel[i].pdm_top1 > r.pdm_top1):
-                best, best_i = right, i
+            value += retrieval_value(r) - pdm_value(r)
+            if value > best + 1e-9 and (i == len(sel) or sel[i].pdm_top1 > r.pdm_top1):
+                best, best_i = value, i
         if best_i == 0:
             thresholds.append(0.0)
         elif best_i == len(sel):
@@ -99,9 +135,8 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
             low, high = sel[best_i - 1].pdm_top1, sel[best_i].pdm_top1
             cut = round((low + high) / 2, 4)
             thresholds.append(cut if low < cut <= high else (low + high) / 2)   # rounding must not cross a record
-    min_len = next((i + 1 for i, t in enumerate(thresholds) if t > 0), max_len)
-    return Gate(min_len=min_len, max_len=max_len, threshold=thresholds,
-                fitted_on=fitted_on, accuracy=accuracy)
+    min_len = next((i + 1 for i, t in enumerate(thresholds) if t > 0), len(thresholds))
+    return min_len, thresholds
 
 
 def conversations(path: Path, skip: int, count: int) -> list[list[dict]]:
@@ -147,6 +182,8 @@ def gate(
     conversations_count: int = typer.Option(300, "--conversations", min=1, help="Conversations to fit on."),
     max_len: int = typer.Option(8, min=1, help="Longest match length the gate tells apart."),
     min_count: int = typer.Option(20, min=1, help="Fewest disagreements to fit a length on its own."),
+    temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature of the sampled thresholds "
+                                      "(used at every T > 0); 0 fits the greedy ones only."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     dry_run: bool = typer.Option(False, help="Print the gate without saving it."),
 ):
@@ -171,15 +208,22 @@ def gate(
     for folder, net in nets.items():
         records = []
         for prompt, answer in tqdm(pairs, desc=f"replaying {folder.name}"):
-            records += gate_records(target, net, prompt, answer, max_len)
+            records += gate_records(target, net, prompt, answer, max_len, temperature)
         disagree = [r for r in records if not r.agree]
         fitted = fit_gate(records, max_len, min_count, fitted_on=f"{data.name} lines {skip}.. ({len(pairs)} "
-                          f"conversations, {len(records)} matches, {len(disagree)} disagreements)")
+                          f"conversations, {len(records)} matches, {len(disagree)} disagreements)",
+                          temperature=temperature)
         gated = sum(r.retrieval_right if fitted.takes_retrieval(r.match_len, r.pdm_top1) else r.pdm_right
                     for r in disagree)
         typer.echo(f"{folder}: {json.dumps(fitted.__dict__)}")
         typer.echo(f"  where retrieval and the PDM disagree ({len(disagree)} drafts): PDM right "
                    f"{sum(r.pdm_right for r in disagree)}, retrieval right {sum(r.retrieval_right for r in disagree)}, "
                    f"gated right {gated}")
+        if temperature > 0:
+            taken = lambda r: fitted.takes_retrieval(r.match_len, r.pdm_top1, sampling=True)  # noqa: E731
+            gated = sum(r.retrieval_p if taken(r) else r.pdm_overlap for r in disagree)
+            typer.echo(f"  sampled at T={temperature:g}, expected accepted drafts there: PDM "
+                       f"{sum(r.pdm_overlap for r in disagree):.1f}, retrieval "
+                       f"{sum(r.retrieval_p for r in disagree):.1f}, gated {gated:.1f}")
         if not dry_run:
             typer.echo(f"  saved {fitted.save(folder)}")
