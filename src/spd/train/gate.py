@@ -189,7 +189,8 @@ def gate(
 ):
     """Fit the hybrid drafter's retrieval gate for a PDM on training conversations and save it
     beside the PDM (retrieval_gate.json). Along each conversation the target's own next token is
-    the truth; prints the gate and how many drafts it gets right where retrieval and PDM disagree."""
+    the truth; prints the gate and how many drafts it gets right where retrieval and PDM disagree.
+    Sampling gets thresholds of its own, fitted at --temperature on expected acceptance."""
     from ..checkpoint import load_pdm
     from ..cli import fail
     from ..target import load_target
