@@ -101,6 +101,8 @@ def test_sampled_thresholds_maximise_the_expected_accepted_drafts(seed):
         assert expected_accepted(records, length, gate.sampled_threshold[length - 1]) == pytest.approx(max(
             expected_accepted(records, length, t) for t in candidates))
     assert sum(gate.sampled_threshold) < sum(gate.threshold) and gate.sampled_temperature == 1.0
+    apart = fit_gate([], max_len=4, min_count=20, temperature=1.0, sampled_records=records)   # own answers
+    assert apart.sampled_threshold == gate.sampled_threshold and apart.threshold == [0.0] * 4
 
 
 def test_the_hybrid_drafter_gates_with_the_sampled_thresholds_when_sampling():
@@ -124,3 +126,46 @@ def test_the_hybrid_drafter_gates_with_the_sampled_thresholds_when_sampling():
     assert "retrieval" in sources(split, 0.0)   # (the PDM drafts where nothing matches)
     assert "retrieval" not in sources(split, 1.0)
     assert "retrieval" in sources(Gate(min_len=1, max_len=2, threshold=[1.01, 1.01]), 1.0)
+
+
+def test_spd_gate_fits_the_sampled_thresholds_on_own_answers_and_refits_them_alone(tmp_path):
+    """End to end on a tiny model: the sampled thresholds are saved beside the PDM; --sampled-only
+    keeps the greedy ones of the saved gate; own answers are the target's seeded samples."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from conftest import WORDS, tiny_tokenizer
+    from spd.baselines.ar import ar_generate
+    from spd.checkpoint import save_pdm
+    from spd.cli import app
+    from spd.sampling import SamplingParams
+    from spd.train.gate import own_answers
+
+    model = tiny_model("llama", num_layers=4, vocab=64, seed=2)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    target = Target.from_hf(model)
+    save_pdm(PDM.create(target, [2, 2], seed=1), tmp_path / "pdm")
+    words = WORDS[:6]
+    chats = [{"messages": [{"role": "user", "content": " ".join(words[i % 3:] * 2)},
+                           {"role": "assistant", "content": " ".join((words * 4)[i:i + 20])}]} for i in range(6)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    args = ["gate", "--model", str(tmp_path / "model"), "--pdm", str(tmp_path / "pdm"), "--data",
+            str(tmp_path / "chat.jsonl"), "--min-count", "1", "--own-answers", "24", "--max-len", "3"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "on own answers" in first.output
+    saved = Gate.load(tmp_path / "pdm")
+    assert saved.sampled_temperature == 1.0 and len(saved.sampled_threshold) == 3
+    kept = Gate(min_len=1, max_len=3, threshold=[0.5, 0.6, 0.7], fitted_on="by hand")
+    kept.save(tmp_path / "pdm")
+    second = CliRunner().invoke(app, args + ["--sampled-only"])
+    assert second.exit_code == 0, second.output
+    refit = Gate.load(tmp_path / "pdm")
+    assert (refit.threshold, refit.fitted_on) == (kept.threshold, "by hand")
+    assert refit.sampled_threshold == saved.sampled_threshold   # the same seeded own answers
+    prompts = [[1, 2, 3], [4, 5]]
+    answers = own_answers(target, prompts, 1.0, 8, seed=7)
+    assert answers[1] == ar_generate(target, [4, 5], SamplingParams(temperature=1.0, seed=8), 8)[0]
+    assert all(1 <= len(a) <= 8 for a in answers)

@@ -12,10 +12,12 @@ and the PDM drafts each position from the saturated pipeline's features, as when
 `spd gate --model M --pdm FOLDER --data chat.jsonl` writes the fitted gate beside the PDM
 (`retrieval_gate.json`); checkpoints without one use `Gate()`'s documented defaults.
 
-Sampling gets thresholds of its own, fitted the same way at `--temperature` (default 1) on the
-same positions, with expected acceptances in place of right drafts: p(retrieved token) for the
-retrieved point mass, sum_x min(p, q) for the PDM's sampled draft (p, q processed at that
-temperature, as verification sees them).
+Sampling gets thresholds of its own, fitted the same way at `--temperature` (default 1), with
+expected acceptances in place of right drafts: p(retrieved token) for the retrieved point mass,
+sum_x min(p, q) for the PDM's sampled draft (p, q processed at that temperature, as verification
+sees them). Their positions are the target's OWN answers to the training prompts, sampled at that
+temperature (`--own-answers`): a dataset's answers repeat earlier text more than the model's own
+samples do, so a fit on them takes retrieval too often when sampling.
 """
 
 from __future__ import annotations
@@ -83,17 +85,17 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
 
 
 def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, fitted_on: str = "",
-             temperature: float = 0.0) -> Gate:
+             temperature: float = 0.0, sampled_records: list[GateRecord] | None = None) -> Gate:
     """Per match length, where retrieval and the PDM's top-1 disagree: the threshold on the PDM's
     top-1 probability that maximises right drafts, and how often the retrieved token was right
     (the score a token tree gives a retrieved candidate beside the PDM's own); with `temperature`
-    > 0 also the sampled thresholds, maximising the expected accepted drafts.
+    > 0 also the sampled thresholds, maximising the expected accepted drafts (over
+    `sampled_records` when given: positions of the target's own sampled answers).
 
     Lengths with fewer than `min_count` records take the threshold (accuracy) of the next shorter
     length (longer matches are at least as trustworthy); retrieval needs a match of at least the
     shortest length whose threshold is above 0."""
-    by_length = [sorted((r for r in records if min(r.match_len, max_len) == length and not r.agree),
-                        key=lambda r: r.pdm_top1) for length in range(1, max_len + 1)]
+    by_length = _disagreements(records, max_len)
     accuracy = []
     for length, sel in enumerate(by_length, start=1):
         if len(sel) < min_count:
@@ -103,12 +105,29 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
     min_len, thresholds = _thresholds(by_length, min_count, lambda r: r.retrieval_right, lambda r: r.pdm_right)
     sampled = {}
     if temperature > 0:
-        sampled_min_len, sampled_thresholds = _thresholds(by_length, min_count, lambda r: r.retrieval_p,
+        sampled_by_length = by_length if sampled_records is None else _disagreements(sampled_records, max_len)
+        sampled_min_len, sampled_thresholds = _thresholds(sampled_by_length, min_count, lambda r: r.retrieval_p,
                                                           lambda r: r.pdm_overlap)
         sampled = dict(sampled_min_len=sampled_min_len, sampled_threshold=sampled_thresholds,
                        sampled_temperature=temperature)
     return Gate(min_len=min_len, max_len=max_len, threshold=thresholds, fitted_on=fitted_on, accuracy=accuracy,
                 **sampled)
+
+
+def _disagreements(records: list[GateRecord], max_len: int) -> list[list[GateRecord]]:
+    """Per match length 1..max_len, the records where retrieval and the PDM disagree, by PDM top-1."""
+    return [sorted((r for r in records if min(r.match_len, max_len) == length and not r.agree),
+                   key=lambda r: r.pdm_top1) for length in range(1, max_len + 1)]
+
+
+def own_answers(target, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int = 0
+                ) -> list[list[int]]:
+    """The target's own answers to `prompts`, sampled at `temperature` (seed + i for prompt i)."""
+    from ..baselines.ar import ar_generate
+    from ..sampling import SamplingParams
+
+    return [ar_generate(target, prompt, SamplingParams(temperature=temperature, seed=seed + i), max_new_tokens)[0]
+            for i, prompt in enumerate(tqdm(prompts, desc=f"sampling own answers at T={temperature:g}"))]
 
 
 def _thresholds(by_length: list[list[GateRecord]], min_count: int, retrieval_value, pdm_value
@@ -184,6 +203,11 @@ def gate(
     min_count: int = typer.Option(20, min=1, help="Fewest disagreements to fit a length on its own."),
     temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature of the sampled thresholds "
                                       "(used at every T > 0); 0 fits the greedy ones only."),
+    own_answers_tokens: int = typer.Option(256, "--own-answers", min=0, help="Fit the sampled thresholds on the "
+                                           "target's own answers to the training prompts, sampled at "
+                                           "--temperature, up to this many tokens each (0: the dataset's answers)."),
+    sampled_only: bool = typer.Option(False, help="Refit only the sampled thresholds, keeping the greedy ones "
+                                      "of the gate already beside each PDM."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     dry_run: bool = typer.Option(False, help="Print the gate without saving it."),
 ):
@@ -191,12 +215,17 @@ def gate(
     beside the PDM (retrieval_gate.json). Along each conversation the target's own next token is
     the truth; prints the gate and how many drafts it gets right where retrieval and PDM disagree.
     Sampling gets thresholds of its own, fitted at --temperature on expected acceptance."""
+    from dataclasses import replace
+
     from ..checkpoint import load_pdm
     from ..cli import fail
+    from ..retrieval import Gate
     from ..target import load_target
 
     if threads:
         torch.set_num_threads(threads)
+    if sampled_only and temperature <= 0:
+        fail("--sampled-only refits the sampled thresholds: give a --temperature above 0")
     try:
         chats = conversations(data, skip, conversations_count)
         target, tokenizer = load_target(model)
@@ -206,25 +235,37 @@ def gate(
         pairs = [split_conversation(tokenizer, messages) for messages in chats]
     except (ValueError, OSError) as err:
         fail(str(err))
+    sampled_pairs = pairs
+    if temperature > 0 and own_answers_tokens:
+        answers = own_answers(target, [prompt for prompt, _ in pairs], temperature, own_answers_tokens)
+        sampled_pairs = [(prompt, answer) for (prompt, _), answer in zip(pairs, answers) if answer]
+    source = f"{data.name} lines {skip}.. ({len(pairs)} conversations"
     for folder, net in nets.items():
-        records = []
-        for prompt, answer in tqdm(pairs, desc=f"replaying {folder.name}"):
-            records += gate_records(target, net, prompt, answer, max_len, temperature)
+        replayed = lambda chosen, t: [r for prompt, answer in tqdm(chosen, desc=f"replaying {folder.name}")  # noqa: E731
+                                     for r in gate_records(target, net, prompt, answer, max_len, t)]
+        shared = temperature > 0 and sampled_pairs is pairs   # one replay serves both fits
+        records = [] if sampled_only else replayed(pairs, temperature if shared else 0.0)
+        sampled = [] if temperature <= 0 else records if shared and records else replayed(sampled_pairs, temperature)
         disagree = [r for r in records if not r.agree]
-        fitted = fit_gate(records, max_len, min_count, fitted_on=f"{data.name} lines {skip}.. ({len(pairs)} "
-                          f"conversations, {len(records)} matches, {len(disagree)} disagreements)",
-                          temperature=temperature)
-        gated = sum(r.retrieval_right if fitted.takes_retrieval(r.match_len, r.pdm_top1) else r.pdm_right
-                    for r in disagree)
+        fitted = fit_gate(records, max_len, min_count, temperature=temperature, sampled_records=sampled,
+                          fitted_on=f"{source}, {len(records)} matches, {len(disagree)} disagreements)")
+        if sampled_only:
+            fitted = replace(Gate.load(folder), sampled_min_len=fitted.sampled_min_len,
+                             sampled_threshold=fitted.sampled_threshold, sampled_temperature=temperature)
         typer.echo(f"{folder}: {json.dumps(fitted.__dict__)}")
-        typer.echo(f"  where retrieval and the PDM disagree ({len(disagree)} drafts): PDM right "
-                   f"{sum(r.pdm_right for r in disagree)}, retrieval right {sum(r.retrieval_right for r in disagree)}, "
-                   f"gated right {gated}")
-        if temperature > 0:
+        if disagree:
+            gated = sum(r.retrieval_right if fitted.takes_retrieval(r.match_len, r.pdm_top1) else r.pdm_right
+                        for r in disagree)
+            typer.echo(f"  where retrieval and the PDM disagree ({len(disagree)} drafts): PDM right "
+                       f"{sum(r.pdm_right for r in disagree)}, retrieval right "
+                       f"{sum(r.retrieval_right for r in disagree)}, gated right {gated}")
+        if sampled:
+            own = "own answers" if sampled_pairs is not pairs else "the dataset's answers"
+            sampled_disagree = [r for r in sampled if not r.agree]
             taken = lambda r: fitted.takes_retrieval(r.match_len, r.pdm_top1, sampling=True)  # noqa: E731
-            gated = sum(r.retrieval_p if taken(r) else r.pdm_overlap for r in disagree)
-            typer.echo(f"  sampled at T={temperature:g}, expected accepted drafts there: PDM "
-                       f"{sum(r.pdm_overlap for r in disagree):.1f}, retrieval "
-                       f"{sum(r.retrieval_p for r in disagree):.1f}, gated {gated:.1f}")
+            gated = sum(r.retrieval_p if taken(r) else r.pdm_overlap for r in sampled_disagree)
+            typer.echo(f"  sampled at T={temperature:g} on {own} ({len(sampled_disagree)} disagreements), expected "
+                       f"accepted drafts there: PDM {sum(r.pdm_overlap for r in sampled_disagree):.1f}, retrieval "
+                       f"{sum(r.retrieval_p for r in sampled_disagree):.1f}, gated {gated:.1f}")
         if not dry_run:
             typer.echo(f"  saved {fitted.save(folder)}")
