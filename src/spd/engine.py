@@ -116,16 +116,19 @@ def store_snapshots(features: torch.Tensor, positions, snapshots: dict, column: 
             features[positions, column[anchor]] = hidden
 
 
-def propose(drafter, pipe: TreePipeline, features, params, gen, stats, stepped=False) -> list[list[Candidate]]:
+def propose(drafter, pipe: TreePipeline, features, params, gen, stats, times: CycleTimes,
+            stepped=False) -> list[list[Candidate]]:
     """Candidates for the children of every newest-level node. W = 1 asks the drafter's one
-    `draft` (the chain); W > 1 its `candidates` for all leaves at once."""
+    `draft` (the chain); W > 1 its `candidates` for all leaves at once. Timed into the cycle's
+    `times.pdm` and the sequence's `stats.pdm_seconds`."""
     t = _now(features.device)
     if pipe.width == 1:
         draft, q = drafter.draft(pipe.draft_state(features, stepped), params, gen)
         proposals = [[Candidate(draft, 0.0, draft_source(drafter), q)]]
     else:
         proposals = drafter.candidates(pipe.tree_state(features), params, gen, pipe.width)
-    stats.pdm_seconds += _now(features.device) - t
+    times.pdm = _now(features.device) - t
+    stats.pdm_seconds += times.pdm
     return proposals
 
 
@@ -326,18 +329,14 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
         runner.start(cycle)   # a stage that runs in this process beside the draft (distributed)
         # 1. Draft the children of the newest level from features that exist before this cycle's stage work.
         if not drafter.after_stages:
-            pdm = stats.pdm_seconds
-            proposals = propose(drafter, pipe, features, params, gen, stats)
-            cycle.times.pdm = stats.pdm_seconds - pdm
+            proposals = propose(drafter, pipe, features, params, gen, stats, cycle.times)
 
         # 2. Stage step: the level at depth k runs stage k and records the anchors it passes.
         finished = runner.finish(cycle, pipe, features, column, stats)
         stats.cycles += 1
         stats.stage_tokens += sum(len(level) for level, _ in cycle.levels)
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
-            pdm = stats.pdm_seconds
-            proposals = propose(drafter, pipe, features, params, gen, stats, stepped=True)
-            cycle.times.pdm = stats.pdm_seconds - pdm
+            proposals = propose(drafter, pipe, features, params, gen, stats, cycle.times, stepped=True)
 
         # The drafts join the pipeline at depth 0 (dropped again below if a rejection cuts them).
         pipe.grow(proposals, fill=len(cycle.levels))
