@@ -29,9 +29,9 @@ from spd.tree import TreeConfig
 DATASETS = ("mt_bench", "gsm8k", "humaneval")
 
 
-def load_prompts(eval_dir: Path, limit: int) -> list[tuple[str, int, str]]:
+def load_prompts(eval_dir: Path, limit: int, datasets=DATASETS) -> list[tuple[str, int, str]]:
     rows = []
-    for name in DATASETS:
+    for name in datasets:
         with open(eval_dir / name / "question.jsonl") as f:
             rows += [(name, i, json.loads(line)["turns"][0]) for i, line in enumerate(f) if i < limit]
     return sorted(rows, key=lambda r: (r[1], DATASETS.index(r[0])))   # datasets in turn: a partial run is balanced
@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--ar", type=Path, default=Path("data/acceptance-smollm2/ar_exact_256.jsonl"))
     parser.add_argument("--out", type=Path, default=Path("runs/tree"))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--datasets", default=",".join(DATASETS),
+                        help="comma-separated subset (one process per set shares the cores: give each its own --out)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +77,7 @@ def main() -> None:
     pdm, gate = load_pdm(folder, target), Gate.load(folder)
     stages = split_layers(target.num_layers, args.stages, list(pdm.config.stage_layers))
     with rows_path.open("a") as out:
-        for name, index, text in load_prompts(args.eval_dir, args.limit):
+        for name, index, text in load_prompts(args.eval_dir, args.limit, args.datasets.split(",")):
             ids = encode_prompt(tokenizer, text)
             for width in args.width:
                 if (args.stages, width, name, index) in done:
