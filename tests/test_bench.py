@@ -183,6 +183,14 @@ def test_cost_model_and_method_names():
     record = {"kind": "eagle", "target_forwards": 3, "draft_forwards": 10, "verify_sizes": {"5": 2, "3": 1}}
     assert costs.measured_decode_cost(record, 0.1, {"tokens": 5, "fraction": 2.0}) == pytest.approx(2 * 2 + 1.5 + 1)
     assert costs.measured_decode_cost({**record, "kind": "ar"}, 0.1, None) == 3
+    # tree SPD: a cycle costs its widest level's v_w / n, or the draft if that is slower
+    assert MethodSpec.parse("spd-n4-w4").verify_tokens == 4 and MethodSpec.parse("spd-n4").verify_tokens is None
+    tree = {"kind": "spd", "n": 4, "tree_width": 4, "cycles": 7, "cycles_by_width": {"1": 2, "4": 4, "2": 1}}
+    assert costs.measured_decode_cost(tree, 0.1, {"tokens": 4, "fraction": 2.2}) == pytest.approx(
+        2 * 0.25 + 4 * 2.2 / 4 + 1 * 1.4 / 4)
+    assert costs.measured_decode_cost(tree, 0.6, {"tokens": 4, "fraction": 2.2}) == pytest.approx(7 * 0.6)
+    assert costs.decode_cost(tree, 0.1) == pytest.approx(7 * 0.25)   # the common model: width is free
+    assert costs.measured_decode_cost(tree, 0.1, None) is None
     with pytest.raises(ValueError, match="twice"):
         parse_methods("spd-n2,spd-n2")
 
@@ -271,6 +279,7 @@ def test_bench_replay_gives_the_decoded_counts(tmp_path, evals, model_dir):
         assert row["per_draft_acceptance"] == want[method]["per_draft_acceptance"]
     assert rows["spd-n2"]["replayed"] == 3 and rows["spd-n2"]["replay_agreed"] == rows["spd-n2"]["replay_checked"] == 2
     assert rows["spd-n2"]["tokens_per_second"] > 0   # from the two decoded prompts
+    assert rows["spd-n3-w2"]["verify_cost_fraction"] > 0 and rows["spd-n3-w2"]["measured_cost_speedup"] > 0
     assert "(+3 replayed; replay = decode 2/2)" in (tmp_path / "replayed" / "summary.md").read_text()
 
 

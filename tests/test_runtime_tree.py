@@ -42,7 +42,7 @@ def checkpoint(saved_llama6):
 def same_counts(a, b, what) -> None:
     """The distributed run's statistics are the engine's (without lookahead, cycle for cycle)."""
     for name in ("new_tokens", "cycles", "accepted", "rejected", "verified_candidates", "stage_tokens",
-                 "verified_by_fill", "accepted_by_fill", "drafts_by_source", "tree_width"):
+                 "verified_by_fill", "accepted_by_fill", "drafts_by_source", "tree_width", "cycles_by_width"):
         assert getattr(a, name) == getattr(b, name), (what, name, getattr(a, name), getattr(b, name))
     assert a.mean_width == b.mean_width and a.per_draft_acceptance == b.per_draft_acceptance, what
 

@@ -46,6 +46,9 @@ def test_greedy_tree_spd_equals_ar(family):
                     assert result.tokens == reference, (family, prompt, n, width, kind)
                     s = result.stats
                     assert s.accepted + s.rejected == NEW - 1 and 1 <= s.mean_width <= width
+                    # every cycle counted once, by a width that ran (the bench prices cycles by it)
+                    assert sum(s.cycles_by_width.values()) == s.cycles and max(s.cycles_by_width) <= width
+                    assert width > 1 or s.cycles_by_width == {1: s.cycles}
                     if kind == "always-best":   # the true branch always survives: the oracle chain
                         assert (s.cycles, s.rejected) == (NEW + n - 2, 0)
                     if kind == "never":         # every position restarts the pipeline

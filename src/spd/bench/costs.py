@@ -19,7 +19,10 @@ over k+1 (or B+1) positions counts as 1 (memory-bound decoding on a GPU).
 The second, *measured* cost prices that forward at v_T, its measured time over a 1-token
 forward on this machine (`verify_fraction`; v_1 = 1; a round of fewer tokens, near the end of
 the budget, at v interpolated linearly between 1 and T). SPD / PPSD with one candidate per level
-run one token per stage, so both costs agree there; tree SPD (W > 1) has no measured cost yet.
+run one token per stage, so both costs agree there. Tree SPD (W > 1) runs a level of up to W
+tokens through each stage: the common model counts a cycle as max(1/n, c_draft) whatever its
+width; the measured one prices a cycle whose widest level holds w tokens at max(v_w / n, c_draft)
+(the record's `cycles_by_width`; v_w from a W-token forward, interpolated like above).
 
 theoretical speedup = decode tokens / decode cost, decode tokens = new tokens - 1 (the prefill
 gives the first token for every method), so AR is exactly 1.
@@ -66,16 +69,19 @@ def decode_cost(record: dict, draft_fraction: float) -> float:
 def measured_decode_cost(record: dict, draft_fraction: float, verify: dict | None) -> float | None:
     """Decode cost with each verification forward priced at its measured v_T (see the module
     docstring); `verify` = {"tokens": T, "fraction": v_T} from `verify_fraction`. None where the
-    method has no measured cost (tree SPD)."""
+    method has no measured cost (no verify measurement, or records from before it was kept)."""
     kind = record["kind"]
     if kind in ("ar", "ppsd") or (kind == "spd" and (record.get("tree_width") or 1) == 1):
         return decode_cost(record, draft_fraction)
-    if kind != "eagle" or verify is None or not record.get("verify_sizes"):
+    sizes = record.get("cycles_by_width" if kind == "spd" else "verify_sizes")
+    if kind not in ("spd", "eagle") or verify is None or not sizes:
         return None
     tokens, fraction = verify["tokens"], verify["fraction"]
     slope = (fraction - 1.0) / (tokens - 1) if tokens > 1 else 0.0
-    forwards = sum(count * (1.0 + slope * (int(size) - 1)) for size, count in record["verify_sizes"].items())
-    return forwards + record["draft_forwards"] * draft_fraction
+    price = lambda size: 1.0 + slope * (int(size) - 1)  # noqa: E731   v_size
+    if kind == "spd":   # a cycle lasts as long as a stage's widest level (or the concurrent draft)
+        return sum(count * max(price(size) / record["n"], draft_fraction) for size, count in sizes.items())
+    return sum(count * price(size) for size, count in sizes.items()) + record["draft_forwards"] * draft_fraction
 
 
 def interleaved_medians(fns, reps: int = 15, warmup: int = 3) -> list[float]:

@@ -65,7 +65,10 @@ class MethodSpec:
 
     @property
     def verify_tokens(self) -> int | None:
-        """Tokens in a full verification forward (eagle: k + 1 or B + 1), else None."""
+        """Tokens in a full verification forward (eagle: k + 1 or B + 1), a tree SPD level's W
+        tokens per stage, else None."""
+        if self.kind == "spd" and self.width > 1:
+            return self.width
         if self.kind != "eagle":
             return None
         return self.tree.budget + 1 if self.tree is not None else self.k + 1
@@ -165,7 +168,7 @@ def _pipeline_record(tokens: list[int], s) -> dict:
             "verified_by_position": list(s.verified_by_fill), "accepted_by_position": list(s.accepted_by_fill),
             "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
             "draft_seconds": s.pdm_seconds, "tree_width": s.tree_width, "mean_width": s.mean_width,
-            "stage_tokens": s.stage_tokens}
+            "stage_tokens": s.stage_tokens, "cycles_by_width": s.cycles_by_width}
 
 
 def _eagle_record(tokens: list[int], s) -> dict:
