@@ -90,7 +90,8 @@ def main() -> None:
                        "cycles": s.cycles, "accepted": s.accepted, "rejected": s.rejected,
                        "verified_candidates": s.verified_candidates, "stage_tokens": s.stage_tokens,
                        "decode_seconds": s.decode_seconds, "pdm_seconds": s.pdm_seconds,
-                       "stage_seconds": s.stage_seconds, "drafts_by_source": s.drafts_by_source}
+                       "stage_seconds": s.stage_seconds, "drafts_by_source": s.drafts_by_source,
+                       "cycles_by_width": s.cycles_by_width}
                 rows.append(row)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
