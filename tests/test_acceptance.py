@@ -23,9 +23,9 @@ def test_replay_matches_engine(n, family):
         real = generate(target, PDMDrafter(pdm), prompt, stages, max_new_tokens=40, eos_token_ids=()).stats
         replayed = replay(target, PDMDrafter(pdm), prompt, continuation, n)
         assert (replayed.cycles, replayed.accepted, replayed.rejected, replayed.new_tokens, replayed.stage_tokens,
-                replayed.mean_width, replayed.verified_by_fill, replayed.accepted_by_fill) == \
+                replayed.mean_width, replayed.verified_by_fill, replayed.accepted_by_fill, replayed.cycles_by_width) == \
                (real.cycles, real.accepted, real.rejected, real.new_tokens, real.stage_tokens,
-                real.mean_width, real.verified_by_fill, real.accepted_by_fill)
+                real.mean_width, real.verified_by_fill, real.accepted_by_fill, real.cycles_by_width)
         mixed += real.accepted > 0 and real.rejected > 0
     assert mixed >= 1  # the check covered both outcomes
 

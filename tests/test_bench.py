@@ -256,7 +256,8 @@ def test_bench_replay_gives_the_decoded_counts(tmp_path, evals, model_dir):
     assert decoded.greedy_mismatches == replayed.greedy_mismatches == 0
     real = {(r["method"], r["dataset"], r["question_id"]): r for r in read_records(tmp_path / "decoded" / "per_prompt.jsonl")}
     counts = ("tokens", "cycles", "target_forwards", "draft_forwards", "verified", "accepted", "verified_by_position",
-              "accepted_by_position", "drafts_by_source", "draft_tokens", "verify_sizes", "stage_tokens")
+              "accepted_by_position", "drafts_by_source", "draft_tokens", "verify_sizes", "stage_tokens",
+              "cycles_by_width")
     seen = {"replayed": 0, "checked": 0}
     for r in read_records(tmp_path / "replayed" / "per_prompt.jsonl"):
         first = r["question_id"] == 0   # engine_check=1: each dataset's first prompt decodes for real

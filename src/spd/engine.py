@@ -49,9 +49,17 @@ class SPDStats:
     tree_width: int = 1              # W: candidates kept per pipeline level
     verified_candidates: int = 0     # candidates of all verified positions (mean width = this / verified)
     stage_tokens: int = 0            # tokens run through one stage, summed (W x levels per cycle)
-    # cycles by their widest level (a cycle lasts as long as its slowest stage: the bench prices
-    # a level of w tokens at its measured cost)
+    # cycles that ran a stage step, by their widest level (a cycle lasts as long as its slowest
+    # stage: the bench prices a level of w tokens at its measured cost); a looked-ahead cycle
+    # thrown away is in `cycles` only
     cycles_by_width: dict[int, int] = field(default_factory=dict)
+
+    def add_cycle(self, level_widths: list[int]) -> None:
+        """One stage step: each level of `level_widths` tokens ran its stage."""
+        self.cycles += 1
+        self.stage_tokens += sum(level_widths)
+        widest = max(level_widths, default=1)
+        self.cycles_by_width[widest] = self.cycles_by_width.get(widest, 0) + 1
 
     def count(self, fill: int, source: str, accepted: bool) -> None:
         """One verified draft: drafted at pipeline fill `fill` by `source`."""
@@ -336,10 +344,7 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
 
         # 2. Stage step: the level at depth k runs stage k and records the anchors it passes.
         finished = runner.finish(cycle, pipe, features, column, stats)
-        stats.cycles += 1
-        stats.stage_tokens += sum(len(level) for level, _ in cycle.levels)
-        widest = max((len(level) for level, _ in cycle.levels), default=1)
-        stats.cycles_by_width[widest] = stats.cycles_by_width.get(widest, 0) + 1
+        stats.add_cycle([len(level) for level, _ in cycle.levels])
         if drafter.after_stages:  # PPSD-style drafters read the newest token's stage-1 output
             proposals = propose(drafter, pipe, features, params, gen, stats, cycle.times, stepped=True)
 

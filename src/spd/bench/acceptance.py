@@ -129,8 +129,7 @@ def replay(target: Target, drafter, prompt_ids: list[int], continuation: list[in
             drafted[newest + 1] = (newest - first_inflight + 1, draft_source(drafter))
             if not agrees(draft, q, sequence[newest + 1], p_of(newest + 1), gen):
                 wrong_inflight = newest + 1
-        stats.cycles += 1
-        stats.stage_tokens += newest - first_inflight + 1   # every in-flight token ran one stage
+        stats.add_cycle([1] * (newest - first_inflight + 1))   # every in-flight token ran one stage
         newest += 1
         if newest - first_inflight == n_stages:  # the oldest finished: verify the next position
             checked = first_inflight + 1
