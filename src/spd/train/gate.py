@@ -245,7 +245,12 @@ def gate(
                                      for r in gate_records(target, net, prompt, answer, max_len, t)]
         shared = temperature > 0 and sampled_pairs is pairs   # one replay serves both fits
         records = [] if sampled_only else replayed(pairs, temperature if shared else 0.0)
-        sampled = [] if temperature <= 0 else records if shared and records else replayed(sampled_pairs, temperature)
+        if temperature <= 0:
+            sampled = []
+        elif shared and records:
+            sampled = records
+        else:
+            sampled = replayed(sampled_pairs, temperature)
         disagree = [r for r in records if not r.agree]
         fitted = fit_gate(records, max_len, min_count, temperature=temperature, sampled_records=sampled,
                           fitted_on=f"{source}, {len(records)} matches, {len(disagree)} disagreements)")
