@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 from spd.bench.acceptance import sequence_snapshots
-from spd.bench.harness import prompt_seed
+from spd.bench.harness import encode, prompt_seed, read_questions, read_records
 from spd.bench.methods import MethodSpec, build_runner
-from spd.loading import encode_prompt
 from spd.sampling import SamplingParams
 from spd.target import load_target
 
@@ -64,17 +63,16 @@ def main() -> None:
     methods = [f"spd-n{args.stages}", f"spd-n{args.stages}+retrieval"]
     runners = {m: build_runner(MethodSpec.parse(m), target, "default") for m in methods}
     anchors = sorted({a for r in runners.values() for a in r.replay_anchors})
-    ar = {str(r["question_id"]): r["tokens"] for r in map(json.loads, (args.bench / "per_prompt.jsonl").open())
+    ar = {str(r["question_id"]): r["tokens"] for r in read_records(args.bench / "per_prompt.jsonl")
           if r["method"] == "ar" and r["dataset"] == args.dataset and r["temperature"] == args.temperature}
     with args.out.open("a") as out:
-        for line in (args.eval_dir / args.dataset / "question.jsonl").open():
-            question = json.loads(line)
-            qid = str(question["question_id"])
+        for prompt in read_questions(args.eval_dir / args.dataset / "question.jsonl", args.dataset, None):
+            qid = str(prompt.question_id)
             if qid in done or qid not in ar:
                 continue
-            ids, tokens = encode_prompt(tokenizer, question["turns"][0]), ar[qid]
+            ids, tokens = encode(prompt, tokenizer), ar[qid]   # as the bench encoded it
             snapshots = sequence_snapshots(target, ids + tokens, anchors)
-            base = prompt_seed(0, args.dataset, question["question_id"], args.temperature)
+            base = prompt_seed(0, args.dataset, prompt.question_id, args.temperature)
             for draw in range(args.draws):
                 params = SamplingParams(temperature=args.temperature, seed=(base + 7919 * draw) % 2**31)
                 for m in methods:
