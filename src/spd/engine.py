@@ -355,7 +355,8 @@ def stream(target: Target, drafter: Drafter, prompt_ids: list[int], stages,
         # a pruning left a bubble).
         ahead, token, kept = None, None, None
         if pipe.exits:
-            if policy.ahead():   # issue the next cycle as if the draft is accepted, then verify
+            last = stats.new_tokens + 1 >= max_new_tokens   # this verification emits the last token
+            if policy.ahead() and not last:   # issue the next cycle as if the draft is accepted, then verify
                 hidden = embed_level(target, pipe.newest, features, column)
                 ahead = runner.step(pipe, pipe.work()[:-1], hidden, first=pipe.root.position + 1)
             t, exited = _now(device), pipe.root
