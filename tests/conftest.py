@@ -4,6 +4,9 @@ tokenizers, eval-set stand-ins, and the embedded default target converted once p
 import contextlib
 import importlib.util
 import json
+import multiprocessing
+import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -167,6 +170,31 @@ def chi_square_p(counts: dict, table: dict, total: int):
     return chisquare(observed, expected).pvalue, impossible
 
 
+_DRAW = None   # the draw function of the running `count_draws`, inherited by its forked workers
+
+
+def _count_range(bounds: tuple[int, int]) -> Counter:
+    return Counter(_DRAW(i) for i in range(*bounds))
+
+
+def count_draws(draw, total: int, workers: int | None = None) -> Counter:
+    """How often each result of draw(i), i < total, occurs. draw(i) must depend on i alone (a
+    seed), so splitting the range over forked processes, one per core, changes nothing but the
+    time: the statistical tests are single-threaded Python, and fork carries the fixtures and
+    monkeypatches to the workers."""
+    global _DRAW
+    workers = min(workers or os.cpu_count() or 1, total)
+    _DRAW = draw
+    try:
+        if workers == 1:
+            return _count_range((0, total))
+        bounds = [(total * w // workers, total * (w + 1) // workers) for w in range(workers)]
+        with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            return sum(pool.map_async(_count_range, bounds).get(timeout=1800), Counter())
+    finally:
+        _DRAW = None
+
+
 def load_script(name: str):
     """A module of scripts/ (not a package), imported from its file."""
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
@@ -211,3 +239,30 @@ def default_model_dir(tmp_path_factory):
 
     with no_network():
         return dt.ensure_default_model(tmp_path_factory.mktemp("spd_cache"))
+
+
+@pytest.fixture(scope="session")
+def default_target(default_model_dir):
+    """(Target, tokenizer) of the default target, loaded once for every test that decodes with it."""
+    from spd.target import load_target
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPD_CACHE_DIR", str(default_model_dir.parent))  # the session's converted copy
+        return load_target("default")
+
+
+@pytest.fixture(scope="session")
+def default_ar(default_target):
+    """AR's greedy new tokens on the default target for (prompt ids, max new tokens), each
+    computed once: every shipped PDM and head is checked against the same references."""
+    from spd.baselines.ar import ar_generate
+
+    references = {}
+
+    def ar(ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(ids), max_new_tokens)
+        if key not in references:
+            references[key] = ar_generate(default_target[0], ids, max_new_tokens=max_new_tokens)[0]
+        return references[key]
+
+    return ar

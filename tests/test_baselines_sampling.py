@@ -13,7 +13,7 @@ import torch
 import spd.baselines.eagle as eagle
 import spd.baselines.eagle_tree as eagle_tree
 import spd.tree
-from conftest import chi_square_p, tiny_model
+from conftest import chi_square_p, count_draws, tiny_model
 from spd.baselines.eagle import EagleHead, eagle_generate
 from spd.baselines.eagle_tree import TreeOptions, eagle_tree_generate
 from spd.baselines.ppsd import PPSDDrafter, PPSDHead
@@ -50,11 +50,7 @@ def exact_distribution(model, params, length):
 
 
 def draw(run, count, params=PARAMS):
-    counts = {}
-    for i in range(count):
-        out = tuple(run(SamplingParams(**params, seed=i)))
-        counts[out] = counts.get(out, 0) + 1
-    return counts
+    return count_draws(lambda i: tuple(run(SamplingParams(**params, seed=i))), count)
 
 
 # EAGLE: 4 new tokens = prefill's + one round of k=2 drafts (both, one or none accepted) + more

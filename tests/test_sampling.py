@@ -5,12 +5,13 @@ the test can fail.
 """
 
 import itertools
+from collections import Counter
 
 import pytest
 import torch
 
 import spd.tree
-from conftest import chi_square_p, tiny_model
+from conftest import chi_square_p, count_draws, tiny_model
 from spd.drafters import PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
@@ -49,12 +50,9 @@ def exact_distribution(model, params, prompt=PROMPT):
 
 
 def draw(target, pdm, params, count):
-    counts = {}
-    for i in range(count):
-        out = generate(target, PDMDrafter(pdm), PROMPT, split_layers(2, 2),
-                       SamplingParams(**PARAMS, seed=i), max_new_tokens=LENGTH, eos_token_ids=()).tokens
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    return counts
+    return count_draws(lambda i: tuple(generate(target, PDMDrafter(pdm), PROMPT, split_layers(2, 2),
+                                                SamplingParams(**PARAMS, seed=i), max_new_tokens=LENGTH,
+                                                eos_token_ids=()).tokens), count)
 
 
 def test_spd_sampling_matches_target_distribution(setup):
@@ -134,13 +132,18 @@ class SampledAgreementGate(HybridDrafter):
 
 
 def draw_hybrid(target, make, count):
-    counts, sources = {}, {}
-    for i in range(count):
+    """Counts of the continuations, and how many drafts of each source were verified."""
+    def one(i):
         result = generate(target, make(), HYBRID_PROMPT, split_layers(2, 2), SamplingParams(**PARAMS, seed=i),
                           max_new_tokens=LENGTH, eos_token_ids=())
-        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-        for name, (verified, _) in result.stats.drafts_by_source.items():
-            sources[name] = sources.get(name, 0) + verified
+        verified = sorted((name, v) for name, (v, _) in result.stats.drafts_by_source.items())
+        return tuple(result.tokens), tuple(verified)
+
+    counts, sources = Counter(), Counter()
+    for (tokens, verified), times in count_draws(one, count).items():
+        counts[tokens] += times
+        for name, v in verified:
+            sources[name] += v * times
     return counts, sources
 
 

@@ -30,15 +30,11 @@ def test_shipped_assets_fit_the_package_budget():
 
 @needs_default_target
 @pytest.mark.parametrize("folder", HEADS, ids=[p.name for p in HEADS])
-def test_shipped_head_accepts_as_released(default_model_dir, folder):
-    from spd.baselines.ar import ar_generate
+def test_shipped_head_accepts_as_released(default_target, default_ar, folder):
     from spd.baselines.heads import load_head
     from spd.loading import encode_prompt
-    from spd.target import load_target
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPD_CACHE_DIR", str(default_model_dir.parent))
-        target, tokenizer = load_target("default")
+    target, tokenizer = default_target
     script = load_script("release_head")
     head = load_head(folder, target)
     assert folder.name == script.shipped_name(head)
@@ -47,5 +43,5 @@ def test_shipped_head_accepts_as_released(default_model_dir, folder):
     for row in release["prompts"]:
         ids = encode_prompt(tokenizer, row["prompt"])
         tokens, counts = script.decode(target, head, ids)
-        assert tokens == ar_generate(target, ids, max_new_tokens=release["max_new_tokens"])[0]
+        assert tokens == default_ar(ids, release["max_new_tokens"])
         assert counts["per_draft_acceptance"] >= row["per_draft_acceptance"] - MARGIN, row["prompt"]

@@ -19,15 +19,6 @@ BUDGET_BYTES = 60 * 10**6  # the issue's budget: all shipped checkpoints togethe
 pytestmark = needs_default_target
 
 
-@pytest.fixture(scope="module")
-def default_target(default_model_dir):
-    from spd.target import load_target
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPD_CACHE_DIR", str(default_model_dir.parent))  # the session's converted copy
-        return load_target("default")
-
-
 def test_pdms_ship_for_n2_and_n4():
     names = {p.name for p in SHIPPED}
     assert {"smollm2-135m-n2-15-15", "smollm2-135m-n4-8-8-7-7"} <= names
@@ -43,8 +34,7 @@ def test_pdms_ship_for_n2_and_n4():
 
 
 @pytest.mark.parametrize("folder", SHIPPED, ids=[p.name for p in SHIPPED])
-def test_shipped_pdm_accepts_as_released(default_target, folder):
-    from spd.baselines.ar import ar_generate
+def test_shipped_pdm_accepts_as_released(default_target, default_ar, folder):
     from spd.checkpoint import load_pdm
     from spd.drafters import PDMDrafter
     from spd.engine import generate
@@ -62,6 +52,5 @@ def test_shipped_pdm_accepts_as_released(default_target, folder):
     for row in release["prompts"]:
         ids = encode_prompt(tokenizer, row["prompt"])
         result = generate(target, PDMDrafter(pdm), ids, stages, max_new_tokens=release["max_new_tokens"])
-        ar, _ = ar_generate(target, ids, max_new_tokens=release["max_new_tokens"])
-        assert result.tokens == ar
+        assert result.tokens == default_ar(ids, release["max_new_tokens"])
         assert result.stats.per_draft_acceptance >= row["per_draft_acceptance"] - MARGIN, row["prompt"]

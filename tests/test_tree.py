@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import spd.tree
-from conftest import chi_square_p, tiny_model
+from conftest import chi_square_p, count_draws, tiny_model
 from spd.baselines.ar import ar_generate
 from spd.cache import KVCache
 from spd.drafters import CandidateOracle, OracleDrafter, PDMDrafter
@@ -114,13 +114,9 @@ def test_verify_multi_law_is_p_for_any_candidates():
 
 
 def draw_tree(target, pdm, count, width=3):
-    counts = {}
-    for i in range(count):
-        out = generate(target, HybridDrafter(pdm), PROMPT + [1, 5], split_layers(2, 2),
-                       SamplingParams(**PARAMS, seed=i), max_new_tokens=LENGTH, eos_token_ids=(),
-                       tree=TreeConfig(width)).tokens
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    return counts
+    return count_draws(lambda i: tuple(generate(target, HybridDrafter(pdm), PROMPT + [1, 5], split_layers(2, 2),
+                                                SamplingParams(**PARAMS, seed=i), max_new_tokens=LENGTH,
+                                                eos_token_ids=(), tree=TreeConfig(width)).tokens), count)
 
 
 def test_tree_sampling_matches_target_distribution(setup):  # noqa: F811
