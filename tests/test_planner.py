@@ -88,6 +88,12 @@ def test_wallclock_gives_each_drafter_its_balanced_split(tmp_path, monkeypatch):
     assert results["oracle"]["identical"] and results["pdm"]["identical"]
     assert results["settings"]["stage_layers"] == [(3, 5), (5, 3)]
     assert "SPD oracle 5/3" in wallclock.format_report(results)
+    # the speedup over AR on 1 thread is predicted from the same costs (AR = 8 layers + head = 10 ms)
+    oracle = results["oracle"]
+    predicted = oracle["predicted_ratio_vs_ar_one_thread"]
+    assert predicted == pytest.approx(10 * oracle["predicted_tokens_per_second"] / 1000) and 1.5 < predicted < 2
+    assert oracle["ratio_prediction_error"] == pytest.approx(predicted / oracle["ratio_vs_ar_one_thread"] - 1)
+    assert "AR 1 thread predicted" in wallclock.format_report(results)
 
 
 def test_wallclock_runs_a_token_tree(tmp_path, monkeypatch):

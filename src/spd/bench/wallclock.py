@@ -260,13 +260,17 @@ def add_run(r: dict, out, reference: list[int], stages: int) -> None:
 def prediction(costs, r: dict, name: str, draft_ms: float, head: str, o: WallclockOptions, lookahead: str) -> dict:
     """The cost model's tokens/s for one drafter's run: device costs measured before the run, the
     run's acceptance by fill and the drafter's mean draft time in it (a hybrid's depends on how
-    often it skips the PDM)."""
+    often it skips the PDM). Also its speedup over AR on one thread (AR priced from the same
+    costs), against the measured one: a host whose speed drifts between the timing and the run
+    moves both AR and SPD, so the ratio holds where tokens/s does not."""
     from .planner import acceptance_profile, predict
 
     guess = predict(costs, r["split"], o.draft_rank, head, acceptance_profile(r), name, draft_ms,
                     new_tokens=o.max_new_tokens, lookahead=None if lookahead == "auto" else lookahead == "on")
     return {"predicted_tokens_per_second": guess.tokens_per_second, "predicted_cycle_ms": guess.cycle_ms,
-            "prediction_error": guess.tokens_per_second / r["tokens_per_second"] - 1.0}
+            "prediction_error": guess.tokens_per_second / r["tokens_per_second"] - 1.0,
+            "predicted_ratio_vs_ar_one_thread": guess.vs_ar_one_device,
+            "ratio_prediction_error": guess.vs_ar_one_device / r["ratio_vs_ar_one_thread"] - 1.0}
 
 
 def format_report(results: dict) -> str:
@@ -292,6 +296,9 @@ def format_report(results: dict) -> str:
         label = f"SPD {name} {'/'.join(map(str, r['split']))}"
         predicted = (f"predicted {r['predicted_tokens_per_second']:.2f}, {r['prediction_error']:+.0%}"
                      if "predicted_tokens_per_second" in r else f"mean width {r['mean_width']:.2f}, no prediction")
+        if "ratio_prediction_error" in r:
+            predicted += (f"; x{r['predicted_ratio_vs_ar_one_thread']:.2f} AR 1 thread predicted, "
+                          f"{r['ratio_prediction_error']:+.0%}")
         lines.append(f"  {label:<16} {r['tokens_per_second']:7.2f} tok/s ({predicted})  x{r['ratio_vs_ar_all_cores']:.2f} AR all cores, "
                      f"x{r['ratio_vs_ar_one_thread']:.2f} AR 1 thread"
                      f"  tokens/cycle {r['tokens_per_cycle']:.3f}  per-draft acceptance {r['per_draft_acceptance']:.3f}"
