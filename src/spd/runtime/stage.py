@@ -76,7 +76,7 @@ class StageWorker:
         self.upstream = CONTROL_RANK if k == 0 else layout.stage_rank(k - 1)
         self.downstream = None if self.last else layout.stage_rank(k + 1)
         self.local = layout.stage_rank(k) == CONTROL_RANK   # runs inside the control process
-        self.previous: Command | None = None   # the last STEP, to know what upstream sent
+        self.incoming: tuple | None = None     # (position, or a tree level's uids; posted receive)
         self.carried: tuple | None = None      # (position, or a tree level's uids; hidden)
         self.width = width                     # tree width W (1: the chain)
         self.tail = StageTail()                # W > 1: the in-flight nodes of this stage's caches
@@ -84,25 +84,32 @@ class StageWorker:
         self.prefill_seconds = 0.0
 
     def take_carried(self) -> None:
-        """At every command, first: receive what stage k-1 sent in the previous STEP, if it ran
+        """At every command, first: take what stage k-1 sent in the previous STEP, if it ran
         then (to use now, or to drop when a rejection made it stale)."""
         self.carried = None
-        if self.k == 0 or self.previous is None:
+        if self.incoming is not None:
+            key, posted = self.incoming
+            self.carried, self.incoming = (key, self.link.take(posted)), None
+
+    def expect(self, command: Command) -> None:
+        """Post the receive of what stage k-1 sends in this STEP, taken at the next command. Posted
+        now, the transfer goes ahead as soon as upstream sends; posted at the next command, it
+        waited for both processes' messaging threads to get a busy core (0.3-6 ms a cycle on a
+        2-core CPU)."""
+        if self.k == 0 or command.op != Op.STEP:
             return
+        size, what = self.target.hidden_size, f"the output of stage {self.k - 1}"
         if self.width > 1:
-            upstream = self.shape(self.previous).stages[self.k - 1]
+            upstream = self.shape(command).stages[self.k - 1]
             if upstream:
-                hidden = self.link.recv((1, len(upstream), self.target.hidden_size), self.target.dtype,
-                                        self.upstream, f"the hidden states of a {len(upstream)}-node tree level")
-                self.carried = (tuple(uid for uid, _ in upstream), hidden)
-            self.previous = None
+                self.incoming = (tuple(uid for uid, _ in upstream),
+                                 self.link.post((1, len(upstream), size), self.target.dtype, self.upstream,
+                                                f"{what}: a {len(upstream)}-node tree level"))
             return
-        position = self.previous.position(self.k - 1)
+        position = command.position(self.k - 1)
         if position is not None:
-            hidden = self.link.recv((1, 1, self.target.hidden_size), self.target.dtype, self.upstream,
-                                    f"the hidden state of position {position}")
-            self.carried = (position, hidden)
-        self.previous = None
+            self.incoming = (position, self.link.post((1, 1, size), self.target.dtype, self.upstream,
+                                                      f"{what}: the hidden state of position {position}"))
 
     @torch.inference_mode()
     def handle(self, command: Command, given: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -111,7 +118,7 @@ class StageWorker:
         `given` is stage 0's input when it runs in the control process.
         """
         carried, self.carried = self.carried, None   # taken by take_carried() for this command
-        self.previous = command if command.op == Op.STEP else None
+        self.expect(command)
         if command.crop >= 0:
             self.cache.crop(command.crop)
             self.tail.restart()
@@ -228,7 +235,6 @@ class StageWorker:
         """Stage 0 in the control process, for a looked-ahead cycle a rejection made useless:
         compute nothing, but send stage 1 the placeholder it expects (it drops it)."""
         assert self.k == 0 and self.local
-        self.previous = command
         self.cycle_seconds.append(0.0)
         if self.downstream is not None:
             self.link.send(torch.zeros(1, 1, self.target.hidden_size, dtype=self.target.dtype, device=self.link.device),
