@@ -117,3 +117,26 @@ def test_wallclock_runs_a_token_tree(tmp_path, monkeypatch):
     assert r["identical"] and 1.0 < r["mean_width"] <= 2.0
     assert "predicted_tokens_per_second" not in r and results["settings"]["lookahead"] == "off"
     assert "mean width" in wallclock.format_report(results) and "tree width 2" in wallclock.format_report(results)
+
+
+def test_contention_is_measured_beside_a_stage_of_the_same_architecture():
+    """`measure_contention` runs a zero-weight stage of the target's own config in another process,
+    pairs calls with it paused and running, and leaves no process behind."""
+    import multiprocessing
+
+    import torch
+
+    from conftest import tiny_model
+    from spd.bench.planner import measure_contention
+
+    model = tiny_model("llama", num_layers=4, seed=1)
+    calls = []
+
+    def layers():
+        calls.append(1)
+        with torch.inference_mode():
+            model(torch.tensor([[1, 2, 3]]))
+
+    contention = measure_contention(layers, model.config, 4, cores=2, reps=3)
+    assert 0.2 < contention < 20 and len(calls) == 2 * (3 + 2)
+    assert multiprocessing.active_children() == []

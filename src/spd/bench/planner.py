@@ -224,15 +224,72 @@ def acceptance_profile(stats: dict) -> list[float]:
 
 
 # -- measuring the parts on this device ---------------------------------------------------------
-def _busy(stop, size: int) -> None:
-    """A process that streams a weight matrix of about one decoder layer until told to stop: the
-    memory traffic another rank's layers put on the shared cores."""
+def _stage_neighbour(config, layers: int, ready, go, stop) -> None:
+    """Another rank's stage: `layers` decoder layers of the target's architecture and its head
+    (zero weights, so no checkpoint is read; the memory traffic and the code path are those of
+    the last stage, which holds the head by default), run one token at a time, on one thread,
+    while `go` is set."""
+    import copy
+
     import torch
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    weight, x = torch.randn(size, 1024), torch.randn(1024)
-    while not stop.is_set():
-        torch.mv(weight, x)
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:layers]
+    with torch.device("meta"):
+        body = AutoModelForCausalLM.from_config(config)
+    body = body.to_empty(device="cpu").eval()
+    for tensor in [*body.parameters(), *body.buffers()]:
+        tensor.data.zero_()
+    hidden = torch.zeros(1, 1, config.hidden_size, dtype=next(body.parameters()).dtype)
+    ready.set()
+    with torch.inference_mode():
+        while not stop.is_set():
+            if go.wait(0.05):
+                body(inputs_embeds=hidden, use_cache=False)
+
+
+def measure_contention(layers, config, num_layers: int, cores: int, reps: int = 21) -> float:
+    """The slowdown of `layers` (a call running every decoder layer on this thread) while the
+    other cores each run a stage's share of the layers: the median ratio of paired calls, one with
+    the neighbours paused and one with them running, so a drift of the host cancels."""
+    import multiprocessing
+    import statistics
+    import time
+
+    ctx = multiprocessing.get_context("spawn")
+    go, stop = ctx.Event(), ctx.Event()
+    ready = [ctx.Event() for _ in range(cores - 1)]
+    helpers = [ctx.Process(target=_stage_neighbour, args=(config, max(1, num_layers // cores), r, go, stop),
+                           daemon=True) for r in ready]
+    for proc in helpers:
+        proc.start()
+    try:
+        if not all(r.wait(120) for r in ready):
+            return 1.0
+        ratios = []
+        for _ in range(reps + 2):
+            go.clear()
+            time.sleep(0.06)   # a neighbour finishes its pass
+            t = time.perf_counter()
+            layers()
+            alone = time.perf_counter() - t
+            go.set()
+            time.sleep(0.02)
+            t = time.perf_counter()
+            layers()
+            ratios.append((time.perf_counter() - t) / alone)
+        return statistics.median(ratios[2:])   # the first pairs warm the neighbours up
+    finally:
+        stop.set()
+        go.set()
+        for proc in helpers:
+            proc.join(timeout=10)
+            if proc.exitcode is None:
+                proc.kill()
 
 
 def _echo(port: int, hidden_size: int) -> None:
@@ -286,10 +343,9 @@ def measure_message_ms(hidden_size: int = 576, reps: int = 200) -> float:
 
 
 def measure_costs(target, drafters: dict, context: int = 64, reps: int = 21, busy: bool = True) -> Costs:
-    """Time the parts on this device: one layer (1 thread, alone and with every other core busy),
+    """Time the parts on this device: one layer (1 thread, alone and beside a stage on every other core),
     the head, each drafter's call (`drafters`: name -> a callable making one draft), one message,
     and AR per token on every core. `target` must be the whole model."""
-    import multiprocessing
     import os
 
     import torch
@@ -319,21 +375,8 @@ def measure_costs(target, drafters: dict, context: int = 64, reps: int = 21, bus
     names = list(drafters)
     times = interleaved_medians([layers, head, *[drafters[name] for name in names]], reps)
     contention = 1.0
-    if cpu and busy and cores > 1:   # the same layers while every other core streams weights
-        ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        helpers = [ctx.Process(target=_busy, args=(stop, 3 * target.hidden_size), daemon=True)
-                   for _ in range(cores - 1)]
-        for proc in helpers:
-            proc.start()
-        try:
-            import time
-            time.sleep(3.0)   # the helpers import torch first
-            contention = interleaved_medians([layers], reps)[0] / times[0]
-        finally:
-            stop.set()
-            for proc in helpers:
-                proc.join(timeout=5)
+    if cpu and busy and cores > 1:   # the same layers while every other core runs a stage
+        contention = measure_contention(layers, target.config, target.num_layers, cores, reps)
     torch.set_num_threads(threads)
     return Costs(num_layers=target.num_layers, layer_ms=1000.0 * times[0] / target.num_layers,
                  head_ms=1000.0 * times[1], message_ms=measure_message_ms(target.hidden_size) if cpu else 0.05,
