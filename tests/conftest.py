@@ -183,7 +183,7 @@ def count_draws(draw, total: int, workers: int | None = None) -> Counter:
     time: the statistical tests are single-threaded Python, and fork carries the fixtures and
     monkeypatches to the workers."""
     global _DRAW
-    workers = min(workers or os.cpu_count() or 1, total)
+    workers = min(workers or len(os.sched_getaffinity(0)), 8, total)   # the cores this process may use
     _DRAW = draw
     try:
         if workers == 1:
