@@ -256,6 +256,7 @@ def measure_contention(layers, config, num_layers: int, cores: int, reps: int = 
     """The slowdown of `layers` (a call running every decoder layer on this thread) while the
     other cores each run a stage's share of the layers: the median ratio of paired calls, one with
     the neighbours paused and one with them running, so a drift of the host cancels."""
+    import logging
     import multiprocessing
     import statistics
     import time
@@ -268,8 +269,13 @@ def measure_contention(layers, config, num_layers: int, cores: int, reps: int = 
     for proc in helpers:
         proc.start()
     try:
-        if not all(r.wait(120) for r in ready):
-            return 1.0
+        deadline = time.monotonic() + 120
+        while not all(r.is_set() for r in ready):   # they import transformers and build the stage
+            if time.monotonic() > deadline or any(proc.exitcode is not None for proc in helpers):
+                logging.getLogger(__name__).warning("contention not measured: a neighbour stage did not "
+                                                    "start; assuming x1.00")
+                return 1.0
+            time.sleep(0.1)
         ratios = []
         for _ in range(reps + 2):
             go.clear()
