@@ -57,6 +57,9 @@ def test_predicted_tokens_per_second():
     # 64 new tokens: 63 decode tokens pay one refill cycle (stage 0 only) on top
     short = predict(COSTS, (17, 13), "with-first-stage", "last", [1.0], "oracle", new_tokens=64)
     assert 1000 / short.tokens_per_second == pytest.approx(17 + 17 / 63)
+    # head on rank 0, looking ahead: a rejection wastes a cycle, the end of a sequence none
+    ahead = predict(COSTS, (15, 15), "with-first-stage", "control", [1.0], "oracle", new_tokens=64, lookahead=True)
+    assert 1000 / ahead.tokens_per_second == pytest.approx(ahead.cycle_ms + (ahead.cycle_ms - 4) / 63)
     a = 0.5
     half = predict(COSTS, (15, 15), "with-first-stage", "last", [a], "pdm")
     run = 1 / (1 - a)

@@ -152,7 +152,7 @@ def predict(costs: Costs, split, draft_rank: str, head: str, acceptance: list[fl
     waste = times[-1] if lookahead and head == "control" else 0.0
     per_token = times[-1] + ((refill + waste) / run if run != math.inf else 0.0)
     if new_tokens is not None and new_tokens > 1:   # the first refill of the sequence, spread over its tokens
-        per_token += (refill + waste) / (new_tokens - 1)
+        per_token += refill / (new_tokens - 1)   # (nothing is looked ahead of the last token: no waste at the end)
     ar_cores = costs.ar_all_cores_ms
     return Prediction(n, draft_rank, head, tuple(split), drafter, times[-1], times[-1] / per_token,
                       1000.0 / per_token, costs.ar_ms / per_token, ar_cores / per_token if ar_cores else None,
