@@ -1,4 +1,6 @@
-"""Build an offline chat training set for PDM training by self-distillation.
+"""The generator of data/chat_train.jsonl, kept so that file can be rebuilt line for line.
+
+New data: `spd data` (spd.distill), which samples 2-3x faster and takes prompt files.
 
 The default target (SmolLM2-135M-Instruct) writes both sides: it first
 samples user questions from its own chat template's user turn, seeded with
@@ -22,7 +24,6 @@ import json
 import logging
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_no_eval_overlap import DEFAULT_EVAL_DIR, EvalIndex, load_eval_prompts, normalize  # noqa: E402
+from spd.distill.run import chat_frame as distill_chat_frame  # noqa: E402
+from spd.distill.run import distinct_4gram_ratio
 
 logger = logging.getLogger("make_chat_data")
 
@@ -136,32 +139,14 @@ def _generate(model, tok, texts, max_new, temperature, top_p, eos_id, min_active
     return results
 
 
-def distinct_4gram_ratio(text: str) -> float:
-    """Share of distinct word 4-grams; low values mean the text loops."""
-    w = re.findall(r"\w+", text.lower())
-    grams = [tuple(w[i : i + 4]) for i in range(len(w) - 3)]
-    return len(set(grams)) / len(grams) if len(grams) >= 40 else 1.0
-
-
 def chat_frame(tok) -> tuple[str, int]:
-    """(head, end-of-turn id) of the tokenizer's chat template: the text before a user turn's
-    content (the default system turn and the user header), and the special token that ends
-    the turn, which both sides' generation stops at."""
+    """(head, end-of-turn id) of the tokenizer's chat template (spd.distill.run.chat_frame)."""
     if tok.chat_template is None:
-        raise SystemExit(f"{tok.name_or_path}: the tokenizer has no chat template; "
-                         "use an instruct/chat model")
-    marker = "\u2063SPD-QUESTION\u2063"
-    rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    if marker not in rendered:
-        raise SystemExit(f"{tok.name_or_path}: its chat template changes the user's text, so "
-                         "this script cannot find where a question starts")
-    head, tail = rendered.split(marker, 1)
-    tail_ids = tok(tail, add_special_tokens=False)["input_ids"]
-    if not tail_ids or tail_ids[0] not in tok.all_special_ids:
-        raise SystemExit(f"{tok.name_or_path}: its chat template does not end a user turn with a "
-                         f"special token (it writes {tail!r}); this script needs one (ChatML's "
-                         "<|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>, ...)")
-    return head, tail_ids[0]
+        raise SystemExit(f"{tok.name_or_path}: the tokenizer has no chat template; use an instruct/chat model")
+    try:
+        return distill_chat_frame(tok)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def _question_ok(q: str, args, seen: set[str], index: EvalIndex) -> str | None:

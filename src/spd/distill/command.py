@@ -43,8 +43,8 @@ def data(
     """Self-distilled training data: the target answers prompts (from a file, or questions it writes itself);
     its answers teach a PDM to draft what this target says. Batched, resumable, evaluation prompts kept out."""
     setup(threads, verbose)
-    from .run import DataConfig, distill
     from .prompts import PromptError
+    from .run import DataConfig, distill
 
     cfg = DataConfig(model=model, out=out, prompts=prompts, num_conversations=num_conversations,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, raw=raw,
