@@ -4,7 +4,7 @@ For two labelled prompts (an open question, and a task that reworks text given i
 where drafting from the sequence itself pays), SPD decodes greedily with one process per stage
 (streamed), then plain AR decodes the same prompt in this process on every core and on one
 thread; the tokens are compared. With fewer cores than stages, or `one_process`, SPD runs in
-this process instead (the stages one after another: it shows acceptance, not speed). Last, the
+this process on one thread instead (the stages one after another: acceptance, not speed). Last, the
 cost model (`spd plan`) prices what n stages would give on n devices like one core here, from
 this run's own timings and acceptance.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from dataclasses import dataclass
 
 from .baselines.ar import ar_generate
@@ -59,7 +60,7 @@ def run_demo(options: DemoOptions = DemoOptions(), on_token_for=None) -> dict:
         fallback = (f"{cores} core(s) for {o.stages} stages: one process per stage would only time-share them, "
                     f"so SPD ran in one process (the stages one after another)")
     distributed = not o.one_process and fallback is None
-    spd_threads = max(1, cores // o.stages) if distributed else cores
+    spd_threads = max(1, cores // o.stages) if distributed else 1   # one process: as AR on one thread
     if distributed:
         from .runtime import plan, start
         from .target import load_target
@@ -81,6 +82,8 @@ def run_demo(options: DemoOptions = DemoOptions(), on_token_for=None) -> dict:
                                                      new, on_token=on_token)
         runs = _decode_prompts(decode, target, tokenizer, o, cores, spd_threads, on_token_for)
     torch.set_num_threads(cores)
+    for run in runs:
+        run["spd_processes"] = o.stages if distributed else 1
     return {"model": "default (SmolLM2-135M-Instruct)", "stages": o.stages, "split": list(split), "drafter": kind,
             "mode": "one process per stage" if distributed else "one process", "fallback": fallback,
             "cores": cores, "load_average": _load(), "spd_processes": o.stages if distributed else 1, "spd_threads_per_process": spd_threads,
@@ -179,11 +182,12 @@ def print_report(report: dict, out=None) -> None:
           + (f" (load average {report['load_average']:.1f})" if report["load_average"] is not None else ""), file=out)
     if report["fallback"]:
         print(f"  note: {report['fallback']}", file=out)
+    print(textwrap.fill(_when_it_pays(report), 100, initial_indent="  ", subsequent_indent="  ") + "\n", file=out)
     for label, *cells in rows:
         print(f"  {label:<40}" + "".join(f"{str(c):<21}" for c in cells).rstrip(), file=out)
     print(f"  (cost model: layer {p['layer_ms']:.2f} ms, head {p['head_ms']:.2f} ms, draft {p['draft_ms']:.2f} ms, "
-          f"message {p['message_ms']:.2f} ms; `spd plan` for every n and layout)", file=out)
-    print(_when_it_pays(report), file=out)
+          f"message {p['message_ms']:.2f} ms; the draft as in this run, {threads} thread{'s' * (threads > 1)}; "
+          "`spd plan` for every n and layout)", file=out)
 
 
 def _load() -> float | None:
@@ -210,6 +214,6 @@ def _when_it_pays(report: dict) -> str:
         where = (f"Here the {n} stage processes share {cores} CPU cores and their memory bandwidth, while AR on "
                  f"{cores} threads splits each matrix product over all of them: against AR on one thread "
                  "(one device) SPD can win, against AR on every core it rarely does.")
-    return ("\nWhen SPD pays: with one device per stage (n GPUs or machines), where the stages really run side "
+    return ("When SPD pays: with one device per stage (n GPUs or machines), where the stages really run side "
             f"by side; the cost-model row prices that. {where} Answers that copy text from the prompt (the "
             "rework task) are drafted from the sequence itself and accepted far more often than an open answer.")
