@@ -159,10 +159,6 @@ def opener(rng: random.Random) -> str:
     return f"{rng.choice(TASKS)} {rng.choice(TOPICS)}{rng.choice(FORMATS)}"
 
 
-def opener_count() -> int:
-    return len(TASKS) * len(TOPICS) * len(FORMATS) + len(FREE_OPENERS)
-
-
 # ----- evaluation prompts stay out ------------------------------------------------------------
 
 def normalize(text: str) -> str:
