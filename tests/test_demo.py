@@ -61,6 +61,7 @@ def test_demo_falls_back_to_one_process_with_fewer_cores_than_stages(tiny_demo, 
     assert report["fallback"].startswith("1 core(s) for 2 stages")
     [run] = report["prompts"]
     assert run["label"] == "your prompt" and run["prompt"] == "hi there" and run["identical"] is True
+    assert run["spd_processes"] == 1
     assert set(run["ar_tokens_per_second"]) == {"all_cores", "one_thread"}
 
 
@@ -89,7 +90,7 @@ def test_demo_json_one_process_per_stage_on_the_default_target(default_model_dir
     assert report["split"] == [15, 15] and report["identical"] is True
     _, tok = default_target
     for run, (label, text) in zip(report["prompts"], demo_module.PROMPTS, strict=True):
-        assert run["label"] == label and run["identical"] is True
+        assert run["label"] == label and run["identical"] is True and run["spd_processes"] == 2
         assert run["text"] == tok.decode(default_ar(encode_prompt(tok, text), 6), skip_special_tokens=True)
         assert run["spd_tokens_per_second"] > 0 and min(run["ar_tokens_per_second"].values()) > 0
         assert report["plan"]["predicted_vs_ar_one_device"][label] > 0
