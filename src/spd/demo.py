@@ -182,6 +182,9 @@ def print_report(report: dict, out=None) -> None:
           + (f" (load average {report['load_average']:.1f})" if report["load_average"] is not None else ""), file=out)
     if report["fallback"]:
         print(f"  note: {report['fallback']}", file=out)
+    if report["load_average"] is not None and report["load_average"] > cores:
+        print(f"  note: load average {report['load_average']:.1f} on {cores} cores: other work shares them, so every "
+              f"tokens/s here is low, AR on {cores} threads most (its threads wait for each other)", file=out)
     print(textwrap.fill(_when_it_pays(report), 100, initial_indent="  ", subsequent_indent="  ") + "\n", file=out)
     for label, *cells in rows:
         print(f"  {label:<40}" + "".join(f"{str(c):<21}" for c in cells).rstrip(), file=out)
