@@ -35,9 +35,9 @@ from spd.baselines.ar import ar_generate
 from spd.bench.acceptance import replay, sequence_snapshots
 from spd.bench.report import by_source
 from spd.checkpoint import WEIGHTS, load_pdm
-from spd.retrieval import GATE_FILE, Gate, make_drafter
 from spd.engine import generate
 from spd.loading import encode_prompt
+from spd.retrieval import GATE_FILE, Gate, make_drafter
 from spd.target import load_target, split_layers
 
 DATASETS = ("mt_bench", "gsm8k", "humaneval")

@@ -17,7 +17,7 @@ import json
 import torch
 
 from spd.baselines.eagle import EagleHead
-from spd.baselines.heads import load_head
+from spd.baselines.load import load_head
 from spd.bench import costs
 from spd.target import load_target
 

@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # tiny_model from the tests
 from conftest import tiny_model  # noqa: E402
-
 from spd.baselines.ar import ar_generate  # noqa: E402
 from spd.drafters import AdversarialDrafter, OracleDrafter, PDMDrafter  # noqa: E402
 from spd.engine import generate  # noqa: E402
@@ -66,9 +65,8 @@ def tiny_models() -> None:
 def default_target() -> None:
     from spd.checkpoint import load_pdm
     from spd.loading import encode_prompt
-    from spd.shipped import shipped_pdm
-
     from spd.runtime.weights import read_model_config
+    from spd.shipped import shipped_pdm
 
     folder, _ = read_model_config("default")   # the converted SmolLM2-135M-Instruct
     for dtype in (torch.float32, torch.bfloat16):

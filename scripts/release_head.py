@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))   # release_pdm, also when import
 from release_pdm import MAX_NEW_TOKENS, REGRESSION_PROMPTS  # noqa: E402
 from spd.baselines.ar import ar_generate  # noqa: E402
 from spd.baselines.eagle import eagle_generate  # noqa: E402
-from spd.baselines.heads import CONFIG, WEIGHTS, load_head, save_head  # noqa: E402
+from spd.baselines.heads import CONFIG, WEIGHTS, save_head  # noqa: E402
+from spd.baselines.load import load_head  # noqa: E402
 from spd.baselines.ppsd import PPSDDrafter  # noqa: E402
 from spd.engine import generate  # noqa: E402
 from spd.loading import encode_prompt  # noqa: E402

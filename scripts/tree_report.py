@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from spd.checkpoint import load_pdm
 from spd.engine import generate
 from spd.loading import encode_prompt
 from spd.retrieval import Gate, make_drafter
 from spd.shipped import shipped_pdm
-from spd.checkpoint import load_pdm
 from spd.target import load_target, split_layers
 from spd.tree import TreeConfig
 

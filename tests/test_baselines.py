@@ -7,7 +7,8 @@ import spd.baselines.eagle as eagle
 from conftest import tiny_model
 from spd.baselines.ar import ar_generate
 from spd.baselines.eagle import EagleHead, default_feature_layers, eagle_generate
-from spd.baselines.heads import HeadCheckpointError, load_head, save_head
+from spd.baselines.heads import HeadCheckpointError, save_head
+from spd.baselines.load import load_head
 from spd.baselines.ppsd import PPSDDrafter, PPSDHead
 from spd.engine import generate
 from spd.target import Target, attention_mask, split_layers

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 from spd.baselines.ar import ar_generate
 from spd.baselines.eagle import EagleHead, eagle_generate
-from spd.baselines.heads import load_head
+from spd.baselines.load import load_head
 from spd.baselines.ppsd import PPSDDrafter
 from spd.baselines.train_heads import train_head, unroll
 from spd.cache import KVCache

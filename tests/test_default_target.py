@@ -11,6 +11,7 @@ import pytest
 from conftest import EVAL, load_script, needs_default_target, no_network
 from spd import default_target as dt
 
+
 @needs_default_target
 def test_conversion_offline_then_cached(default_model_dir, monkeypatch):
     converted = default_model_dir

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_model
 from spd.pdm import PDM
-from spd.retrieval import Gate, RETRIEVAL_PRIOR, SuffixIndex
+from spd.retrieval import RETRIEVAL_PRIOR, Gate, SuffixIndex
 from spd.target import Target, split_layers
 from spd.train.gate import GateRecord, fit_gate, gate_records
 

@@ -12,9 +12,9 @@ from conftest import tiny_model
 from spd.cache import KVCache
 from spd.checkpoint import save_pdm
 from spd.drafters import Candidate
+from spd.lookahead import LookaheadPolicy
 from spd.pdm import PDM
 from spd.runtime import Layout, LayoutError, plan, start
-from spd.engine import CycleTimes, LookaheadPolicy
 from spd.runtime.controller import breakdown
 from spd.runtime.faults import StatusBoard, diagnose
 from spd.runtime.layout import backend_for, pick_device
@@ -22,6 +22,7 @@ from spd.runtime.protocol import Command, Op, report_indices
 from spd.runtime.stage import prefill_chunks
 from spd.runtime.weights import load_partial_target, parameter_count
 from spd.sampling import SamplingParams
+from spd.stats import CycleTimes
 from spd.target import Target
 from spd.tree import TreeConfig, TreePipeline
 

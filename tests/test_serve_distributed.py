@@ -16,10 +16,21 @@ import openai
 import psutil
 import pytest
 
-from test_serve import (MODEL, chat, client, decoder, expected, health, model_dir, start_server,  # noqa: F401
-                        stop_server, wait_for, wait_ready)
 from spd.loading import encode_prompt
 from spd.sampling import SamplingParams
+from test_serve import (  # noqa: F401
+    MODEL,
+    chat,
+    client,
+    decoder,
+    expected,
+    health,
+    model_dir,
+    start_server,
+    stop_server,
+    wait_for,
+    wait_ready,
+)
 
 IDLE_TIMEOUT = 6.0   # seconds a stage waits for a command; the server pings every quarter of it
 

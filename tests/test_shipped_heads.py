@@ -31,7 +31,7 @@ def test_shipped_assets_fit_the_package_budget():
 @needs_default_target
 @pytest.mark.parametrize("folder", HEADS, ids=[p.name for p in HEADS])
 def test_shipped_head_accepts_as_released(default_target, default_ar, folder):
-    from spd.baselines.heads import load_head
+    from spd.baselines.load import load_head
     from spd.loading import encode_prompt
 
     target, tokenizer = default_target

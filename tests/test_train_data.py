@@ -10,8 +10,19 @@ from conftest import tiny_model, tiny_tokenizer
 from spd.baselines.ar import ar_generate
 from spd.sampling import SamplingParams
 from spd.target import Target
-from spd.train.data import (DataError, Example, chat_example, cut, iter_records, locate_batch,
-                            open_token_store, plan_batches, record_example, regenerate, split_eval)
+from spd.train.data import (
+    DataError,
+    Example,
+    chat_example,
+    cut,
+    iter_records,
+    locate_batch,
+    open_token_store,
+    plan_batches,
+    record_example,
+    regenerate,
+    split_eval,
+)
 from spd.train.features import BatchLoader, FeatureStore, target_pass
 from spd.vocab import count_tokens, load_vocab, save_vocab, top_ids
 

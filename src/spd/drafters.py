@@ -1,7 +1,7 @@
 """Drafters: what proposes the token that enters stage 1 next.
 
 The engine asks a drafter once per cycle, before the stage step, for the token at position
-newest+1, and hands it a `DraftState`: every token so far, which of them are still in flight,
+newest+1, and hands it a `spd.tree.DraftState`: every token so far, which of them are still in flight,
 and the anchor features recorded so far. A drafter tells the engine which anchors to record.
 
 - `PDMDrafter`: the Pipeline Draft Module over multi-depth features (the real thing).
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,37 +26,7 @@ from .cache import KVCache
 from .pdm import PDM
 from .sampling import SamplingParams, probs
 from .target import TreeMask
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A tree drafter's proposal for the child of one leaf: its token, log-score, source, and the
-    draft distribution it was sampled from (None: chosen deterministically, a point mass)."""
-
-    token: int
-    logprob: float = 0.0
-    source: str = "draft"
-    q: torch.Tensor | None = None
-
-
-@dataclass
-class DraftState:
-    tokens: list[int]          # every position so far: prompt, verified tokens, in-flight drafts
-    first_inflight: int        # position of the oldest in-flight token (positions before: finished)
-    n_stages: int
-    features: torch.Tensor     # (capacity, m, H) hidden states at the drafter's anchors per position
-    stepped: bool = False      # True when this cycle's stage step already ran (post-step drafters)
-
-    @property
-    def newest(self) -> int:
-        return len(self.tokens) - 1
-
-    def depth(self, position: int) -> int:
-        """Stages passed: in-flight tokens sit at consecutive positions, newest at depth 0
-        (depth 1 once the cycle's stage step ran)."""
-        if position < self.first_inflight:
-            return self.n_stages
-        return min(self.n_stages, self.newest - position + self.stepped)
+from .tree import Candidate, DraftState, ancestry
 
 
 class Drafter(Protocol):
@@ -119,8 +88,6 @@ class PDMDrafter:
         """(leaves, V) logits for every newest-level node of a token tree, in one PDM forward:
         the finished rows since the committed ones, then every in-flight node at its depth, each
         seeing the finished rows, its own ancestors and itself."""
-        from .tree import ancestry   # spd.tree imports this module
-
         start, root = self.committed, state.root_position
         nodes = [node for level in state.levels for node in level]
         depths = [state.n_stages] * (root - start) + [state.depth(i) for i, level in enumerate(state.levels)

@@ -30,9 +30,8 @@ def shipped_pdm(model: str, stages: int | None, split: list[int] | None) -> str 
     """The shipped PDM for `--model default` and the asked split (n=2 when none asked), or None."""
     if model != "default":
         return None
-    from .target import split_layers
-
     from .pdm import fits_split
+    from .target import split_layers
 
     n = len(split) if split is not None else (stages if stages is not None else 2)
     counts = [len(s) for s in split_layers(30, n, split)]

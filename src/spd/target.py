@@ -16,10 +16,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .families import (  # noqa: F401  (re-exported: spd.target is where most callers look)
+    FAMILIES,
+    RECURRENT_KINDS,
+    Family,
+    Rotary,
+    UnsupportedModelError,
+    check_against_hf,
+    check_supported,
+    family_of,
+    layer_kinds,
+)
+
 log = logging.getLogger(__name__)
 
-from .families import (FAMILIES, RECURRENT_KINDS, Family, Rotary, UnsupportedModelError,  # noqa: F401
-                       check_against_hf, check_supported, family_of, layer_kinds)
 
 def split_layers(num_layers: int, n_stages: int, counts: list[int] | None = None) -> list[range]:
     """Cut layers 0..L-1 into n contiguous stages: the most even split, or per-stage counts."""

@@ -15,8 +15,9 @@ the root exits, its logits verify level 1: the accepted child becomes the root, 
 under it is pruned, and `settle` says which tail entries each stage keeps (the engine compacts
 the caches); on rejection the target's token restarts the pipeline (caches cropped there).
 
-This module knows nothing about models or processes: the engine's loop (spd.engine.stream, in
-one process or distributed) drives `TreePipeline`; the distributed controller sends each cycle's
+`DraftState` (what a drafter sees each cycle) and `Candidate` (a tree drafter's proposal) live
+here, below spd.drafters, which imports them. This module knows nothing about models or
+processes: the engine's loop (spd.engine.stream, in one process or distributed) drives `TreePipeline`; the distributed controller sends each cycle's
 `TreeShape`, from which a stage process mirrors its own `StageTail`.
 """
 
@@ -27,9 +28,39 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters import Candidate, DraftState  # noqa: F401  (Candidate: part of the tree API)
 from .sampling import SamplingParams, verify_multi
 from .target import TreeMask
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A tree drafter's proposal for the child of one leaf: its token, log-score, source, and the
+    draft distribution it was sampled from (None: chosen deterministically, a point mass)."""
+
+    token: int
+    logprob: float = 0.0
+    source: str = "draft"
+    q: torch.Tensor | None = None
+
+
+@dataclass
+class DraftState:
+    tokens: list[int]          # every position so far: prompt, verified tokens, in-flight drafts
+    first_inflight: int        # position of the oldest in-flight token (positions before: finished)
+    n_stages: int
+    features: torch.Tensor     # (capacity, m, H) hidden states at the drafter's anchors per position
+    stepped: bool = False      # True when this cycle's stage step already ran (post-step drafters)
+
+    @property
+    def newest(self) -> int:
+        return len(self.tokens) - 1
+
+    def depth(self, position: int) -> int:
+        """Stages passed: in-flight tokens sit at consecutive positions, newest at depth 0
+        (depth 1 once the cycle's stage step ran)."""
+        if position < self.first_inflight:
+            return self.n_stages
+        return min(self.n_stages, self.newest - position + self.stepped)
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,8 @@ def load_vocab(path, vocab_size: int | None = None) -> list[int]:
 def build_vocab(model: str, data, out, size: int, max_len: int = 2048, scored_only: bool = True
                 ) -> dict:
     """`spd vocab`: count the training data's tokens with the model's tokenizer; write the top ids."""
-    from .train.data import cut, iter_records, record_example
     from .target import load_target
+    from .train.data import cut, iter_records, record_example
 
     target, tokenizer = load_target(model)
     sequences = ((ex.ids, ex.mask) for ex in cut((record_example(r, tokenizer) for r in iter_records(data)), max_len))

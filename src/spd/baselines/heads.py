@@ -5,7 +5,7 @@ method ("eagle" or "ppsd"), the head's config and the target fingerprint, so loa
 another target fails with the field that differs instead of a shape error inside torch. A head
 whose lm_head rows are still the target's (frozen in training, the default) may leave them out
 (`"lm_head": "target"`): loading copies them from the target again, so a shipped head is ~half
-the size.
+the size. `load_head` (load.py, above eagle.py and ppsd.py) builds a head of whichever method.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..pdm import TargetFingerprint
@@ -107,29 +107,3 @@ def read_head_meta(folder) -> dict:
 def read_head_config(folder) -> tuple[str, dict]:
     meta = read_head_meta(folder)
     return meta["method"], meta["config"]
-
-
-def load_head(folder, target: Target, method: str | None = None) -> nn.Module:
-    """Load an EAGLE-style or PPSD head for `target` (checking the fingerprint and the method)."""
-    from .eagle import EagleConfig, EagleHead
-    from .ppsd import PPSDConfig, PPSDHead
-
-    kinds = {"eagle": (EagleConfig, EagleHead), "ppsd": (PPSDConfig, PPSDHead)}
-    meta = read_head_meta(folder)
-    found, data = meta["method"], meta["config"]
-    if method is not None and found != method:
-        raise HeadCheckpointError(f"{folder} holds a {found!r} head, but a {method!r} head was asked for")
-    if found not in kinds:
-        raise HeadCheckpointError(f"{folder}: unknown head method {found!r} (known: {', '.join(kinds)})")
-    config_cls, head_cls = kinds[found]
-    config = config_cls.from_json(data)
-    check_target(config.target, target, f"{found} head {folder}")
-    head = head_cls(config, target)
-    missing, unexpected = head.load_state_dict(load_file(str(Path(folder) / WEIGHTS)), strict=False)
-    if meta.get("lm_head") == "target" and missing == [LM_HEAD]:   # stored without the target's rows
-        missing = []
-        head.lm_head.proj.weight.data.copy_(target.lm_head.weight[head.lm_head.draft_ids.to(target.device)])
-    if missing or unexpected:
-        raise HeadCheckpointError(f"{folder} does not fit its own config: missing {missing}, "
-                                  f"unexpected {unexpected}")
-    return head.to(device=target.device, dtype=target.dtype).eval()

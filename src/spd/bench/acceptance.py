@@ -37,9 +37,10 @@ from ..baselines.eagle import Decoding, EagleHead, EagleStats, accept_prefix, ch
 from ..baselines.eagle_tree import TreeOptions, accept_path, draft_tree
 from ..cache import KVCache
 from ..drafters import DraftState, draft_source
-from ..engine import SPDStats, store_snapshots
 from ..retrieval import SuffixIndex
 from ..sampling import SamplingParams, probs
+from ..stages import store_snapshots
+from ..stats import SPDStats
 from ..target import Target
 
 

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from ..console import fail, setup
 from . import DEFAULT_METHODS
 
 
@@ -49,10 +50,9 @@ def bench_run(
 
     Exits 1 if a greedy output differs from AR's.
     """
-    from ..cli import _setup, fail
     from .harness import BenchConfig, run_bench
 
-    _setup(threads, verbose)
+    setup(threads, verbose)
     try:
         temps = tuple(float(t) for t in temperatures.split(",") if t.strip())
         cfg = BenchConfig(out=out, model=model, methods=methods,
@@ -76,7 +76,6 @@ def bench_run(
 
 def bench_report(out: str = typer.Option(..., help="A folder written by `spd bench run`.")):
     """Rebuild summary.json, summary.md and the plots from OUT/per_prompt.jsonl (no decoding)."""
-    from ..cli import fail
     from .report import markdown, report_from_disk
 
     try:

@@ -37,11 +37,11 @@ from ..sampling import SamplingParams
 from . import DEFAULT_METHODS, costs
 from .acceptance import sequence_snapshots
 from .methods import MethodSpec, build_runner, parse_methods, warm_up
+from .report import RECORDS, RUN, read_records, summarize, write_json, write_report
 
 log = logging.getLogger(__name__)
 
 DATASETS = ("mt_bench", "gsm8k", "humaneval")
-RECORDS, RUN, SUMMARY_JSON, SUMMARY_MD = "per_prompt.jsonl", "run.json", "summary.json", "summary.md"
 REPLAY_COUNTS = ("cycles", "target_forwards", "draft_forwards", "verified", "accepted")
 
 
@@ -138,26 +138,6 @@ def record_key(r: dict) -> tuple:
     return r["method"], r["dataset"], float(r["temperature"]), str(r["question_id"])
 
 
-def read_records(path: Path) -> list[dict]:
-    """Every complete record; a torn last line (a run killed mid-write) is dropped from the file."""
-    if not path.is_file():
-        return []
-    records, bad = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            bad += 1
-    if bad:
-        log.warning("%s: dropping %d unreadable line(s) (an interrupted write)", path, bad)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-        os.replace(tmp, path)
-    return records
-
-
 def open_run(out: Path, cfg: BenchConfig) -> dict:
     """OUT/run.json: created, or checked against the settings of the records already there."""
     path = out / RUN
@@ -172,12 +152,6 @@ def open_run(out: Path, cfg: BenchConfig) -> dict:
     return run
 
 
-def write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def encode(prompt: Prompt, tokenizer) -> list[int]:
     if prompt.ids is not None:
         return [int(x) for x in prompt.ids]
@@ -189,7 +163,6 @@ def run_bench(cfg: BenchConfig, target=None, tokenizer=None) -> BenchResult:
     """Run (or continue) the benchmark in cfg.out; returns what it wrote."""
     from ..loading import parse_dtype
     from ..target import load_target
-    from .report import summarize, write_report
 
     specs = parse_methods(cfg.methods)
     if not cfg.temperatures:

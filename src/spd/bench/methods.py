@@ -32,16 +32,17 @@ import torch
 from ..baselines.ar import ar_generate
 from ..baselines.eagle import EagleHead, eagle_generate
 from ..baselines.eagle_tree import TreeOptions, eagle_tree_generate
-from ..baselines.heads import load_head, read_head_config
-from ..baselines.ppsd import PPSDDrafter, PPSDHead, PPSDConfig
+from ..baselines.heads import read_head_config
+from ..baselines.load import load_head
+from ..baselines.ppsd import PPSDConfig, PPSDDrafter, PPSDHead
 from ..checkpoint import load_pdm, read_config
 from ..engine import generate
 from ..pdm import PDM
 from ..retrieval import Gate, make_drafter
-from ..tree import TreeConfig
 from ..sampling import SamplingParams
 from ..shipped import shipped_head, shipped_pdm
 from ..target import Target, split_layers
+from ..tree import TreeConfig
 from . import costs
 from .acceptance import eagle_replay, replay
 

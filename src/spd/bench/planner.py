@@ -27,7 +27,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-import typer   # the `spd plan` options (the command lives at the end of this module)
+import typer  # the `spd plan` options (the command lives at the end of this module)
 
 LAYOUTS = (("with-first-stage", "last"), ("with-first-stage", "control"), ("separate", "last"),
            ("separate", "control"))

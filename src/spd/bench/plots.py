@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .report import OVERALL
+from . import OVERALL
 
 STYLES = {0.0: "-", 1.0: "--"}
 EAGLE_COLORS = ("tab:green", "tab:olive", "tab:cyan", "tab:purple", "tab:gray", "tab:pink", "black")

@@ -19,16 +19,25 @@ recompute them:
 - replayed = records from a replay over AR's tokens (`spd bench run --replay`; sampled: AR's sample);
   replay_checked / replay_agreed = decoded records whose replay was also run / gave equal counts
 - acceptance_by_position[i] = accepted / verified drafts at position i+1 (fill or chain index)
+
+The run folder's files are named here too (OUT/per_prompt.jsonl, run.json, summary.json,
+summary.md), with `read_records` and `write_json`, so the harness that writes them and the
+report that reads them share one definition (the harness imports this module, not the reverse).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections import defaultdict
 from pathlib import Path
 
-from . import costs
+from . import OVERALL, costs
 
-OVERALL = "overall"
+log = logging.getLogger(__name__)
+
+RECORDS, RUN, SUMMARY_JSON, SUMMARY_MD = "per_prompt.jsonl", "run.json", "summary.json", "summary.md"
 FIELDS = ("method", "kind", "n", "k", "dataset", "temperature", "prompts", "new_tokens", "decode_tokens",
           "cycles", "target_forwards", "draft_forwards", "verified_drafts", "accepted_drafts",
           "per_draft_acceptance", "mean_accepted_length", "equivalent_accept_length",
@@ -213,9 +222,33 @@ def paper_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out: Path, rows: list[dict], plots: bool = True) -> None:
-    from .harness import SUMMARY_JSON, SUMMARY_MD, write_json
+def read_records(path: Path) -> list[dict]:
+    """Every complete record; a torn last line (a run killed mid-write) is dropped from the file."""
+    if not path.is_file():
+        return []
+    records, bad = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            bad += 1
+    if bad:
+        log.warning("%s: dropping %d unreadable line(s) (an interrupted write)", path, bad)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        os.replace(tmp, path)
+    return records
 
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def write_report(out: Path, rows: list[dict], plots: bool = True) -> None:
     write_json(out / SUMMARY_JSON, rows)
     (out / SUMMARY_MD).write_text(markdown(rows))
     if plots and rows:
@@ -225,10 +258,6 @@ def write_report(out: Path, rows: list[dict], plots: bool = True) -> None:
 
 def report_from_disk(out) -> list[dict]:
     """Rebuild summary + plots from OUT/per_prompt.jsonl and OUT/run.json (no decoding)."""
-    import json
-
-    from .harness import RECORDS, RUN, read_records
-
     out = Path(out)
     if not (out / RECORDS).is_file():
         raise FileNotFoundError(f"{out} holds no {RECORDS}; run `spd bench run --out {out}` first")

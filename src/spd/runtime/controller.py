@@ -1,7 +1,7 @@
 """The control rank: embedding, drafting, final norm + lm_head, verification; drives the stages.
 
 The schedule is `engine.stream`'s, the one decode loop: the Controller is its stage runner (the
-methods of `engine.LocalStages`), so the single-process and distributed runs cannot drift apart.
+methods of `stages.LocalStages`), so the single-process and distributed runs cannot drift apart.
 What it adds is where the stage work happens. Per cycle:
 
 1. `step`: broadcast the command (newest/oldest in-flight positions, the crop of the last
@@ -26,8 +26,11 @@ from typing import Iterator
 import torch
 
 from ..drafters import Drafter
-from ..engine import CycleTimes, LookaheadPolicy, SPDStats, store_snapshots, stream
+from ..engine import stream
+from ..lookahead import LookaheadPolicy
 from ..sampling import SamplingParams, sample
+from ..stages import store_snapshots
+from ..stats import CycleTimes, SPDStats
 from ..target import Target
 from ..tree import Node, TreeConfig, TreePipeline
 from .layout import CONTROL_RANK, Layout
@@ -174,7 +177,7 @@ class Controller:
             return torch.nn.functional.one_hot(finished[0], self.target.vocab_size).float()
         return finished
 
-    # -- the stage runner of engine.stream (see engine.LocalStages) ----------------------------------
+    # -- the stage runner of engine.stream (see stages.LocalStages) ----------------------------------
     @property
     def n_stages(self) -> int:
         return self.layout.n_stages

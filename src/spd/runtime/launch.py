@@ -12,75 +12,34 @@
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import multiprocessing
 import os
 import time
-from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint import read_config
-from ..engine import LOOKAHEAD, CycleTimes, GenerationResult
+from ..engine import GenerationResult
+from ..families import RECURRENT_KINDS, layer_kinds
+from ..lookahead import LOOKAHEAD
 from ..pdm import default_anchors, fits_split
 from ..retrieval import Gate, drafter_kind, make_drafter
 from ..sampling import SamplingParams
-from ..families import RECURRENT_KINDS, layer_kinds
 from ..shipped import shipped_pdm
+from ..stats import CycleTimes
 from ..tree import TreeConfig
 from .controller import Controller, DistributedStats, breakdown
 from .faults import Progress, StageFailure, StatusBoard, describe_exit, diagnose, read_status
-from .layout import CONTROL_RANK, Layout, LayoutError, backend_for, default_threads, pick_device
-from .protocol import Link, PeerError, command_size
+from .layout import CONTROL_RANK, Layout, LayoutError, default_threads
+from .protocol import Link, PeerError
+from .spec import READY, RunSpec, connect_store, init_rank, pick_rank_device, rank_names
 from .weights import read_model_config
-from .worker import worker_main
+from .worker import run_stage, worker_main
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What every rank needs, decided before any weights load (JSON-able for the workers)."""
-
-    model: str                       # model folder
-    stage_layers: tuple[int, ...]
-    draft_rank: str = "separate"
-    anchors: tuple[int, ...] = ()    # hidden-state indices the stages report to rank 0
-    dtype: str = "float32"
-    devices: tuple[str, ...] | None = None
-    timeout: float = 30.0            # bound on every message wait during a sequence
-    idle_timeout: float = 600.0      # how long a stage waits for the next sequence
-    threads: int | None = None       # torch threads per process (None: cores / local processes)
-    pdm: str | None = None           # PDM checkpoint folder; None: a random PDM (rank 0 only)
-    pdm_layers: int = 1
-    lookahead: str = "off"           # off / on / auto: issue the next cycle before verifying
-    drafter: str = "hybrid"          # rank 0's drafter: hybrid / pdm / retrieval (spd.retrieval)
-    head: str = "last"               # final norm + lm_head on the last stage's rank, or "control" (rank 0)
-    prefill_chunk: int = 32          # prompt positions per pipelined prefill message
-    tree_width: int = 1              # W candidates per pipeline level (spd.tree; 1 = the chain)
-
-    @property
-    def command_size(self) -> int:
-        return command_size(len(self.stage_layers), self.tree_width)
-
-    @property
-    def layout(self) -> Layout:
-        return Layout.of(sum(self.stage_layers), len(self.stage_layers), list(self.stage_layers), self.draft_rank,
-                         self.head)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunSpec":
-        data = json.loads(text)
-        data["stage_layers"], data["anchors"] = tuple(data["stage_layers"]), tuple(data["anchors"])
-        data["devices"] = tuple(data["devices"]) if data["devices"] else None
-        return cls(**data)
 
 
 def plan(model: str, stages: int | None = None, split: list[int] | None = None, draft_rank: str = "separate",
@@ -136,34 +95,6 @@ def check_tree_width(config, width: int, lookahead: str) -> None:
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def _names(layout: Layout) -> dict[int, str]:
-    return {rank: layout.role(rank) for rank in range(layout.world_size)}
-
-
-READY = "loaded its weights"
-
-
-def pick_rank_device(spec: RunSpec, rank: int, world_size: int, local_rank: int) -> torch.device:
-    device = pick_device(rank, local_rank, list(spec.devices) if spec.devices else None, world_size)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
-
-
-def init_rank(spec: RunSpec, rank: int, world_size: int, store, local_rank: int, local_world: int):
-    """Threads, device and process group of one rank; returns its device."""
-    torch.set_num_threads(spec.threads or default_threads(local_world))
-    device = pick_rank_device(spec, rank, world_size, local_rank)
-    dist.init_process_group(backend_for(device), store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=spec.idle_timeout))
-    return device
-
-
-def connect_store(host: str, port: int, world_size: int, master: bool, timeout: float = 60.0):
-    return dist.TCPStore(host, port, world_size, is_master=master, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
 
 
 class Session:
@@ -325,7 +256,6 @@ def _join_torchrun(spec: RunSpec) -> Session | None:
     store = dist.PrefixStore(f"spd/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
                              f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if rank != CONTROL_RANK:
-        from .worker import run_stage
 
         run_stage(spec, rank, world, store, local_rank, local_world)
         return None
@@ -350,7 +280,7 @@ def _control(spec: RunSpec, store, world: int, local_rank: int, local_world: int
     # with stage 0 here, a board shows stage 1 that this process computes the prefill
     board = StatusBoard(store, CONTROL_RANK).start() if layout.colocated else None
     read = board.read if board is not None else (lambda rank: read_status(store, rank))
-    link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, progress=Progress(read, remote),
+    link = Link(device, spec.timeout, rank_names(layout), spec.idle_timeout, progress=Progress(read, remote),
                 command_size=spec.command_size)
     local = (StageWorker(target, layout, 0, link, spec.anchors, prefill_chunk=spec.prefill_chunk, width=spec.tree_width)
              if layout.colocated else None)

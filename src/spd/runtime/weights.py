@@ -80,8 +80,12 @@ def _load_converted(skeleton, where: dict[str, Path], parts: dict[str, nn.Module
     `parts` are read.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (WeightConverter, WeightRenaming, convert_and_load_state_dict_in_model,
-                                                 rename_source_key)
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        convert_and_load_state_dict_in_model,
+        rename_source_key,
+    )
     from transformers.modeling_utils import LoadStateDictConfig
 
     for module in parts.values():   # real storage, buffers and parameters initialised as transformers does

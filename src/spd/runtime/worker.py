@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .faults import Progress, StatusBoard, die_with_parent
 from .layout import CONTROL_RANK
 from .protocol import Link, PeerError
+from .spec import READY, RunSpec, connect_store, init_rank, pick_rank_device, rank_names
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,6 @@ log = logging.getLogger(__name__)
 def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_world: int) -> None:
     """Everything a stage rank does; raises SystemExit(1) after a failure."""
     from ..loading import parse_dtype
-    from .launch import READY, _names, init_rank, pick_rank_device
     from .stage import StageWorker, serve
     from .weights import load_partial_target, parameter_count
 
@@ -43,7 +43,7 @@ def run_stage(spec, rank: int, world_size: int, store, local_rank: int, local_wo
         board.publish()
         init_rank(spec, rank, world_size, store, local_rank, local_world)
         stage_ranks = [layout.stage_rank(j) for j in range(layout.n_stages)]
-        link = Link(device, spec.timeout, _names(layout), spec.idle_timeout, on_wait=board.set,
+        link = Link(device, spec.timeout, rank_names(layout), spec.idle_timeout, on_wait=board.set,
                     progress=Progress(board.read, [r for r in stage_ranks if r != rank]),
                     command_size=spec.command_size)
         worker = StageWorker(target, layout, k, link, spec.anchors, prefill_chunk=spec.prefill_chunk, width=spec.tree_width)
@@ -73,7 +73,6 @@ def worker_main(spec_json: str, rank: int, world_size: int, master: str) -> None
     """Entry of a stage process started on this machine by spd.runtime.launch."""
     die_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .launch import RunSpec, connect_store
 
     host, port = master.rsplit(":", 1)
     store = connect_store(host, int(port), world_size, master=False)

@@ -15,14 +15,22 @@ import logging
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import FastAPI, Request   # the ASGI app: routes, pydantic bodies, OpenAPI docs
+from fastapi import FastAPI, Request  # the ASGI app: routes, pydantic bodies, OpenAPI docs
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .metrics import render as render_metrics
-from .protocol import (APIError, ChatRequest, CompletionRequest, SamplingFields, Shape,
-                       chat_prompt_ids, completion_budget, completion_prompt_ids)
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    Shape,
+    chat_prompt_ids,
+    completion_budget,
+    completion_prompt_ids,
+)
 from .worker import Job, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Generator, Protocol
 
-from ..engine import SPDStats, stream
+from ..engine import stream
 from ..loading import Decoder, build_decoder
 from ..runtime.faults import StageFailure
 from ..sampling import SamplingParams
+from ..stats import SPDStats
 
 log = logging.getLogger(__name__)
 

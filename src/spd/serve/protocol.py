@@ -13,9 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from ..engine import SPDStats
 from ..loading import check_utf8
 from ..sampling import SamplingParams
+from ..stats import SPDStats
 
 
 class APIError(Exception):

@@ -15,8 +15,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from ..engine import SPDStats
 from ..sampling import SamplingParams
+from ..stats import SPDStats
 from .text import StopText
 
 log = logging.getLogger(__name__)

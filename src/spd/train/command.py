@@ -8,10 +8,7 @@ from typing import List, Optional
 
 import typer
 
-
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg="red", err=True)
-    raise typer.Exit(2)
+from ..console import fail, setup
 
 
 def _ints(text: Optional[str], what: str):
@@ -73,10 +70,10 @@ def train(
     """
     import logging
 
-    from ..cli import _setup
-    from .loop import make_config, train as run_train
+    from .loop import make_config
+    from .loop import train as run_train
 
-    _setup(threads, verbose)
+    setup(threads, verbose)
     logging.getLogger("spd.train").setLevel(logging.INFO)  # what the run does, step by step
     try:
         given = dict(
@@ -105,7 +102,7 @@ def train(
 
             summary = train_head(config, method, ttt_steps=ttt_steps)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
-        _fail(str(err))
+        fail(str(err))
     if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary
         typer.echo(_summary_text(summary), err=True)
 
@@ -138,7 +135,7 @@ def vocab(
     try:
         result = build_vocab(model, data, out, size, max_len, scored_only=not all_tokens)
     except (ValueError, FileNotFoundError, OSError) as err:
-        _fail(str(err))
+        fail(str(err))
     if as_json:
         print(json.dumps(result))
     else:

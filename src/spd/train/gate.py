@@ -31,6 +31,7 @@ import torch
 import typer
 from tqdm import tqdm
 
+from ..console import fail
 from ..retrieval import Gate, SuffixIndex, retrieval_prior
 
 
@@ -218,7 +219,6 @@ def gate(
     from dataclasses import replace
 
     from ..checkpoint import load_pdm
-    from ..cli import fail
     from ..retrieval import Gate
     from ..target import load_target
 

@@ -28,8 +28,7 @@ from ..target import split_layers
 from .data import locate_batch, open_token_store, plan_batches, split_eval
 from .features import BatchLoader, FeatureStore
 from .layout import pdm_layout, sample_fills, structural_mask
-from .objective import (DistillStats, DraftForward, distill, scale_projections, teacher_head, teacher_logits,
-                        vocab_index)
+from .objective import DistillStats, DraftForward, distill, scale_projections, teacher_head, teacher_logits, vocab_index
 from .session import STATE, Session, StopSignal, run_state, save_state
 
 log = logging.getLogger(__name__)
