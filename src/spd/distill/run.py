@@ -121,6 +121,7 @@ class Distiller:
 
     def __init__(self, cfg: DataConfig, model, tok, index: EvalIndex | None):
         self.cfg, self.model, self.tok, self.index = cfg, model, tok, index
+        self.special = set(tok.all_special_ids)
         self.stop = {i for i in [tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)] if i is not None}
         self.head = None
         if not cfg.raw:
@@ -156,7 +157,7 @@ class Distiller:
         for start, q in zip(starts, written):
             progress.prompt_tokens += len(q.tokens)
             text = (start + self.tok.decode(q.tokens, skip_special_tokens=True)).strip()
-            if not q.finished or any(t in self.tok.all_special_ids for t in q.tokens):
+            if not q.finished or any(t in self.special for t in q.tokens):
                 progress.reject("question_unfinished")
             elif not 4 <= len(text.split()) <= 120:
                 progress.reject("question_length")
