@@ -115,8 +115,23 @@ def test_plan_batches_bucketing():
     assert batches == plan_batches(idx, lengths, 100, seed=1) != plan_batches(idx, lengths, 100, seed=2)
     pad = sum(len(b) * max(lengths[b]) for b in batches) / lengths.sum()
     assert pad < 1.3  # similar lengths together
-    train, held = split_eval(50, 0.1, 0)
+    train, held = split_eval(np.full(50, 10), 0.1, 0)
     assert len(held) == 5 and not set(train) & set(held) and len(train) + len(held) == 50
+
+
+def test_a_held_out_head_stays_fixed_and_training_takes_a_token_prefix():
+    lengths = np.array([5, 7, 3, 10, 4, 6, 8])
+    train, held = split_eval(lengths, 0.5, 0, eval_head=2)
+    assert held.tolist() == [0, 1] and train.tolist() == [2, 3, 4, 5, 6]
+    grown = np.concatenate([lengths, [9, 9]])        # data appended behind: the same held-out set
+    assert split_eval(grown, 0.5, 0, eval_head=2)[1].tolist() == [0, 1]
+    train, held = split_eval(lengths, 0.5, 0, eval_head=2, train_tokens=17)   # 3 + 10 + 4 = 17
+    assert train.tolist() == [2, 3, 4] and held.tolist() == [0, 1]
+    assert split_eval(lengths, 0.5, 0, eval_head=2, train_tokens=16)[0].tolist() == [2, 3]
+    with pytest.raises(DataError, match="leaves no training data"):
+        split_eval(lengths, 0.0, 0, eval_head=7)
+    with pytest.raises(DataError, match="less than the first training sequence"):
+        split_eval(lengths, 0.0, 0, eval_head=2, train_tokens=2)
 
 
 def test_epochs_of_different_lengths_follow_one_another():

@@ -188,7 +188,7 @@ def train_head(cfg: TrainConfig, method: str, target=None, tokenizer=None, ttt_s
     if state:
         head.load_state_dict(state["head"])
     tokens, loader = prepare_data(cfg, target, tokenizer, head_anchors(head))
-    train_idx, eval_idx = split_eval(len(tokens), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_eval(tokens.lengths, cfg.eval_fraction, cfg.seed, cfg.eval_head, cfg.train_tokens)
     batches = EpochBatches(train_idx, tokens.lengths, cfg.batch_tokens, cfg.seed)
     total = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * len(batches.plan(0)) / cfg.grad_accum))
     params = [p for p in head.parameters() if p.requires_grad]

@@ -51,6 +51,11 @@ def train(
     regenerate: Optional[str] = typer.Option(None, help="greedy | sample: the target rewrites the chat answers first."),
     regen_max_new_tokens: Optional[int] = typer.Option(None, help="Longest regenerated answer (default 256)."),
     eval_fraction: Optional[float] = typer.Option(None, help="Held-out share of sequences for eval (default 0.02)."),
+    eval_head: Optional[int] = typer.Option(None, min=0, help="Hold out the first K sequences instead of --eval-fraction: "
+                                            "one held-out set while data grows behind it (a conversation shorter than "
+                                            "--max-len is one sequence)."),
+    train_tokens: Optional[int] = typer.Option(None, min=1, help="Train on the leading training sequences up to this "
+                                               "many tokens (a data-size curve on one feature cache)."),
     eval_every: Optional[int] = typer.Option(None, help="Eval every N steps, 0: only at the end (default 200)."),
     save_every: Optional[int] = typer.Option(None, help="Checkpoint every N steps, and on Ctrl-C / SIGTERM (default 200)."),
     resume: bool = typer.Option(False, help="Continue the run in --out where it stopped, with its saved settings."),
@@ -85,6 +90,7 @@ def train(
             device=device, target_dtype=dtype, cache=cache, feature_cache=feature_cache,
             cache_anchors=_ints(cache_anchors, "--cache-anchors"), cache_dtype=cache_dtype,
             regenerate=regenerate, regen_max_new_tokens=regen_max_new_tokens, eval_fraction=eval_fraction,
+            eval_head=eval_head, train_tokens=train_tokens,
             eval_every=eval_every, save_every=save_every, stop_after=stop_after, seed=seed)
         given = {k: v for k, v in given.items() if v is not None}
         if anchors is not None:

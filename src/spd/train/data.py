@@ -314,13 +314,31 @@ def open_token_store(folder, paths, tokenizer, vocab_size: int, max_len: int, pa
 
 # ----- batches ------------------------------------------------------------------------------
 
-def split_eval(n_sequences: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, eval indices): a fixed random `fraction` held out (at least one if > 0)."""
-    order = np.random.default_rng(seed).permutation(n_sequences)
-    n_eval = 0 if fraction <= 0 else max(1, int(round(fraction * n_sequences)))
-    if n_eval >= n_sequences:
-        raise DataError(f"eval fraction {fraction} leaves no training data ({n_sequences} sequences)")
-    return np.sort(order[n_eval:]), np.sort(order[:n_eval])
+def split_eval(lengths: np.ndarray, fraction: float, seed: int, eval_head: int = 0,
+               train_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, eval indices) of the sequences with these lengths.
+
+    Held out: a fixed random `fraction`, at least one if > 0; or, with `eval_head` K, the first K
+    sequences (a split that stays the same while data is appended behind it). `train_tokens`
+    keeps the leading training sequences (in data order) up to that many tokens: runs on
+    growing shares of one token store and feature cache, against one held-out set."""
+    n_sequences = len(lengths)
+    if eval_head:
+        if eval_head >= n_sequences:
+            raise DataError(f"--eval-head {eval_head} leaves no training data ({n_sequences} sequences)")
+        train, held = np.arange(eval_head, n_sequences), np.arange(eval_head)
+    else:
+        order = np.random.default_rng(seed).permutation(n_sequences)
+        n_eval = 0 if fraction <= 0 else max(1, int(round(fraction * n_sequences)))
+        if n_eval >= n_sequences:
+            raise DataError(f"eval fraction {fraction} leaves no training data ({n_sequences} sequences)")
+        train, held = np.sort(order[n_eval:]), np.sort(order[:n_eval])
+    if train_tokens is not None:
+        upto = np.cumsum(np.asarray(lengths)[train])
+        if train_tokens < upto[0]:
+            raise DataError(f"--train-tokens {train_tokens} is less than the first training sequence ({upto[0]} tokens)")
+        train = train[:int(np.searchsorted(upto, train_tokens, side="right"))]
+    return train, held
 
 
 def plan_batches(indices: np.ndarray, lengths: np.ndarray, batch_tokens: int, seed: int | None,

@@ -64,6 +64,8 @@ class TrainConfig:
     device: str = "cpu"
     target_dtype: str = "float32"
     eval_fraction: float = 0.02
+    eval_head: int = 0                    # hold out the first K sequences instead (a split fixed as data grows)
+    train_tokens: int | None = None       # train on the leading training sequences up to this many tokens
     eval_every: int = 200                 # steps (0: only at the end)
     eval_tokens: int = 16384              # eval at most this many tokens
     save_every: int = 200                 # steps (0: only at the end / on a signal)
@@ -82,7 +84,7 @@ class TrainConfig:
 
     # fields that must not change across a resume
     FIXED = ("model", "stages", "split", "pdm_layers", "anchors", "draft_vocab", "layout", "max_len",
-             "pack", "batch_tokens", "grad_accum", "seed", "data")
+             "pack", "batch_tokens", "grad_accum", "seed", "data", "eval_head", "train_tokens")
 
 
 @dataclass
@@ -298,7 +300,8 @@ class _Run:
         self.autocast = dict(device_type=session.device.type, dtype=torch.bfloat16,
                              enabled=cfg.precision == "bf16")
         self.mask_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.train_idx, self.eval_idx = split_eval(len(tokens), cfg.eval_fraction, cfg.seed)
+        self.train_idx, self.eval_idx = split_eval(tokens.lengths, cfg.eval_fraction, cfg.seed, cfg.eval_head,
+                                                   cfg.train_tokens)
         self.eval_batches = _eval_batches(self.eval_idx, tokens, cfg)
         self._plans: dict[int, list[list[int]]] = {}
         self._plan_lengths: dict[int, int] = {}

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -130,9 +130,10 @@ def load_state(out: Path, cfg) -> dict:
     """The saved state, after checking that the settings that shape the run are unchanged."""
     state = torch.load(out / STATE, map_location="cpu", weights_only=True)
     saved = state["config"]
+    defaults = {f.name: f.default for f in fields(cfg)}   # a setting newer than the saved run: its default
     for name in cfg.FIXED:
         now = getattr(cfg, name)
-        before = saved.get(name)
+        before = saved.get(name, defaults[name])
         if isinstance(now, tuple):
             now = list(now)
         if isinstance(before, tuple):
