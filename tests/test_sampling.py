@@ -38,13 +38,13 @@ def setup():
 def exact_distribution(model, params, prompt=PROMPT):
     """P(x1, x2, x3 | prompt) enumerated from the target's processed distributions."""
     table = {}
-    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
-        ids = torch.tensor([prompt + list(seq)])
-        with torch.no_grad():
-            logits = model(ids).logits[0]
+    seqs = list(itertools.product(range(VOCAB), repeat=LENGTH))
+    with torch.no_grad():   # every sequence in one batch (same length: no padding)
+        logits = model(torch.tensor([prompt + list(seq) for seq in seqs])).logits
+    for row, seq in enumerate(seqs):
         p = 1.0
         for i, token in enumerate(seq):
-            p *= float(probs(logits[len(prompt) - 1 + i], params)[token])
+            p *= float(probs(logits[row, len(prompt) - 1 + i], params)[token])
         table[seq] = p
     return table
 
