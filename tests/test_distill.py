@@ -132,6 +132,11 @@ def test_a_stopped_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, 
     with pytest.raises(ValueError, match="other data parameters"):
         distill(_cfg(chat_model, stopped, eval_dir, resume=True, temperature=0.9), show_progress=False)
 
+    # rounds sampled side by side in two worker processes, written in order: the same file
+    parallel = tmp_path / "parallel.jsonl"
+    distill(_cfg(chat_model, parallel, eval_dir, workers=2), show_progress=False)
+    assert parallel.read_text() == whole.read_text()
+
 
 def test_prompt_file_answers_each_kept_prompt_once(chat_model, eval_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"

@@ -14,8 +14,11 @@ writes. Prompts that overlap an evaluation set are dropped before anything is ge
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -52,6 +55,8 @@ class DataConfig:
     eval_dir: str | None = None         # None: ../shared/eval_data when present
     eval_filter: bool = True
     device: str = "cpu"
+    workers: int = 1                    # processes sampling rounds side by side (CPU), each with
+    worker_threads: int = 1             # this many torch threads
     resume: bool = False
 
     def data_params(self) -> dict:
@@ -145,7 +150,8 @@ class Distiller:
         return why is None
 
     def questions(self, r: int, gen: torch.Generator, seen: set[str], progress: Progress) -> list[list[dict]]:
-        """Round r's prompts written by the target from openers (raw: the openers themselves)."""
+        """Round r's prompts written by the target from openers (raw: the openers themselves), none
+        twice in `seen`."""
         rng = random.Random(f"{self.cfg.seed}-{r}")
         starts = [opener(rng) for _ in range(self.cfg.batch_size)]
         if self.cfg.raw:
@@ -166,14 +172,14 @@ class Distiller:
                 seen.add(normalize(text))
         return out
 
-    def answers(self, prompts: list[list[dict]], gen: torch.Generator, progress: Progress) -> list[dict]:
-        """The target's answer to each prompt, as JSONL records (looping answers dropped)."""
+    def answers(self, prompts: list[list[dict]], gen: torch.Generator, progress: Progress) -> list[tuple]:
+        """(JSONL record, answer tokens, ended by itself) for each prompt; looping answers dropped."""
         if self.cfg.raw:
             ids = [self.tok(p[-1]["content"])["input_ids"] for p in prompts]
         else:
             ids = [list(self.tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True)["input_ids"]) for p in prompts]
-        records = []
+        answered = []
         for p, prompt_ids, a in zip(prompts, ids, sample_batch(self.model, ids, self.answer, self.stop, self.pad, gen)):
             text = self.tok.decode(a.tokens, skip_special_tokens=True)
             if not text.strip():
@@ -182,15 +188,53 @@ class Distiller:
             if distinct_4gram_ratio(text) < self.cfg.min_distinct_4gram:
                 progress.reject("degenerate_answer")
                 continue
-            progress.answer_tokens += len(a.tokens)
-            progress.answers_unfinished += not a.finished
             if self.cfg.raw:
-                records.append({"prompt": p[-1]["content"], "text": p[-1]["content"] + text,
-                                "input_ids": prompt_ids + a.tokens,
-                                "loss_mask": [0] * len(prompt_ids) + [1] * len(a.tokens)})
+                record = {"prompt": p[-1]["content"], "text": p[-1]["content"] + text,
+                          "input_ids": prompt_ids + a.tokens, "loss_mask": [0] * len(prompt_ids) + [1] * len(a.tokens)}
             else:
-                records.append({"messages": p + [{"role": "assistant", "content": text.strip()}]})
-        return records
+                record = {"messages": p + [{"role": "assistant", "content": text.strip()}]}
+            answered.append((record, len(a.tokens), a.finished))
+        return answered
+
+    def round(self, r: int, prompts: list[list[dict]] | None) -> tuple[list[tuple], Progress]:
+        """Round r: its answered prompts and what it counted. Depends on (seed, r) alone, not on earlier
+        rounds, so rounds can run in parallel (duplicates across rounds are dropped as they are written)."""
+        counted = Progress()
+        gen = torch.Generator(device=self.cfg.device).manual_seed(self.cfg.seed * 1_000_003 + r)
+        batch = (prompts[r * self.cfg.batch_size:(r + 1) * self.cfg.batch_size] if prompts is not None
+                 else self.questions(r, gen, set(), counted))
+        return (self.answers(batch, gen, counted) if batch else []), counted
+
+
+_WORKER: tuple | None = None   # (Distiller, prompts) of the running pool, inherited by its forked workers
+
+
+def _round_in_worker(r: int) -> tuple[list[tuple], Progress]:
+    job, prompts = _WORKER
+    return job.round(r, prompts)
+
+
+def rounds_in_order(job: Distiller, prompts, first: int, workers: int, threads: int):
+    """(r, round r's result) for r = first, first + 1, ...: in this process, or computed ahead by
+    `workers` forked processes of `threads` torch threads each and yielded in order."""
+    global _WORKER
+    if workers <= 1:
+        for r in itertools.count(first):
+            yield r, job.round(r, prompts)
+        return
+    _WORKER = (job, prompts)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads,
+                                                      initargs=(threads,)) as pool:
+            pending, rounds = collections.deque(), itertools.count(first)
+            while True:
+                while len(pending) < workers:
+                    r = next(rounds)
+                    pending.append((r, pool.apply_async(_round_in_worker, (r,))))
+                r, result = pending.popleft()
+                yield r, result.get()
+    finally:
+        _WORKER = None
 
 
 def _as_list(x) -> list:
@@ -259,7 +303,8 @@ def distill(cfg: DataConfig, show_progress: bool = True) -> Progress:
             raise ValueError(f"--prompts {cfg.prompts}: every prompt was dropped ({scratch.rejected})")
         prompts = kept
     goal = cfg.num_conversations or len(prompts)
-    meta = {"params": cfg.data_params(), "device": cfg.device, "head": job.head, "model_path": str(path), "eval_dir": str(eval_dir),
+    meta = {"params": cfg.data_params(), "device": cfg.device, "head": job.head, "model_path": str(path),
+            "eval_dir": str(eval_dir), "workers": cfg.workers, "worker_threads": cfg.worker_threads,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "progress": asdict(progress)}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,28 +314,41 @@ def distill(cfg: DataConfig, show_progress: bool = True) -> Progress:
 
     bar = tqdm(total=goal, initial=progress.lines, unit="conv", disable=not show_progress, smoothing=0.05)
     t0, tokens0, idle_rounds = time.time(), progress.answer_tokens, 0
-    while progress.lines < goal:
-        r = progress.rounds
-        if prompts is not None and r * cfg.batch_size >= len(prompts):
-            break
-        gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 1_000_003 + r)
-        batch = (prompts[r * cfg.batch_size:(r + 1) * cfg.batch_size] if prompts is not None
-                 else job.questions(r, gen, seen, progress))
-        records = job.answers(batch[:goal - progress.lines], gen, progress) if batch else []
-        with out.open("a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
-            f.flush()
-            os.fsync(f.fileno())
-        progress.lines += len(records)
-        progress.rounds = r + 1
-        meta["progress"] = asdict(progress)
-        _write_meta(meta_path, meta)   # after the lines: a stop in between is cut back on resume
-        idle_rounds = 0 if records else idle_rounds + 1
-        if idle_rounds == 20:
-            raise ValueError(f"no conversation kept in 20 rounds in a row (rejected: {progress.rejected}); "
-                             f"does the model end its turns with one of the ids {sorted(job.stop)}?")
-        bar.update(len(records))
-        bar.set_postfix(answer_tok_s=f"{(progress.answer_tokens - tokens0) / (time.time() - t0):.0f}",
-                        tokens=progress.answer_tokens)
+    rounds = rounds_in_order(job, prompts, progress.rounds, cfg.workers, cfg.worker_threads)
+    try:
+        while progress.lines < goal and not (prompts is not None and progress.rounds * cfg.batch_size >= len(prompts)):
+            r, (answered, counted) = next(rounds)
+            records = []
+            for record, tokens, finished in answered:
+                if progress.lines + len(records) == goal:
+                    break
+                key = normalize(_user_text(record))
+                if prompts is None and key in seen:   # written by an earlier round
+                    progress.reject("duplicate")
+                    continue
+                seen.add(key)
+                records.append(record)
+                progress.answer_tokens += tokens
+                progress.answers_unfinished += not finished
+            progress.prompt_tokens += counted.prompt_tokens
+            for why, count in counted.rejected.items():
+                progress.rejected[why] = progress.rejected.get(why, 0) + count
+            with out.open("a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
+                f.flush()
+                os.fsync(f.fileno())
+            progress.lines += len(records)
+            progress.rounds = r + 1
+            meta["progress"] = asdict(progress)
+            _write_meta(meta_path, meta)   # after the lines: a stop in between is cut back on resume
+            idle_rounds = 0 if records else idle_rounds + 1
+            if idle_rounds == 20:
+                raise ValueError(f"no conversation kept in 20 rounds in a row (rejected: {progress.rejected}); "
+                                 f"does the model end its turns with one of the ids {sorted(job.stop)}?")
+            bar.update(len(records))
+            bar.set_postfix(answer_tok_s=f"{(progress.answer_tokens - tokens0) / (time.time() - t0):.0f}",
+                            tokens=progress.answer_tokens)
+    finally:
+        rounds.close()   # ends the worker processes
     bar.close()
     return progress
