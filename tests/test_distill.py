@@ -132,6 +132,15 @@ def test_a_stopped_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, 
     with pytest.raises(ValueError, match="other data parameters"):
         distill(_cfg(chat_model, stopped, eval_dir, resume=True, temperature=0.9), show_progress=False)
 
+    meta_path = tmp_path / "stopped.jsonl.meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "device": "cuda"}))
+    with pytest.raises(ValueError, match="pass --device cuda"):
+        distill(_cfg(chat_model, stopped, eval_dir, resume=True), show_progress=False)
+    meta_path.write_text(json.dumps({**meta, "head": "<|im_start|>system\ntoday<|im_end|>\n"}))
+    with pytest.raises(ValueError, match="starts a question differently"):
+        distill(_cfg(chat_model, stopped, eval_dir, resume=True), show_progress=False)
+
     # rounds sampled side by side in two worker processes, written in order: the same file
     parallel = tmp_path / "parallel.jsonl"
     distill(_cfg(chat_model, parallel, eval_dir, workers=2), show_progress=False)

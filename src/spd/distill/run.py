@@ -74,8 +74,29 @@ class Progress:
     answers_unfinished: int = 0
     rejected: dict = field(default_factory=dict)
 
-    def reject(self, why: str) -> None:
-        self.rejected[why] = self.rejected.get(why, 0) + 1
+    def reject(self, why: str, count: int = 1) -> None:
+        self.rejected[why] = self.rejected.get(why, 0) + count
+
+    def keep(self, answered: list[tuple], counted: "Progress", room: int, seen: set[str] | None) -> list[dict]:
+        """The records of one round's (record, answer tokens, finished) to write, at most `room`, none
+        whose prompt is in `seen` (an earlier round's; None: no check); counts them and the round."""
+        records = []
+        for record, tokens, finished in answered:
+            if len(records) == room:
+                break
+            if seen is not None:
+                key = normalize(_user_text(record))
+                if key in seen:
+                    self.reject("duplicate")
+                    continue
+                seen.add(key)
+            records.append(record)
+            self.answer_tokens += tokens
+            self.answers_unfinished += not finished
+        self.prompt_tokens += counted.prompt_tokens
+        for why, count in counted.rejected.items():
+            self.reject(why, count)
+        return records
 
 
 def distinct_4gram_ratio(text: str) -> float:
@@ -241,6 +262,28 @@ def _as_list(x) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _resumed(cfg: DataConfig, out: Path, meta_path: Path, head: str | None) -> tuple[Progress, set[str]]:
+    """The progress of the run in `out` and its prompts so far, after checking that it may go on."""
+    if not (cfg.resume and out.exists()):
+        return Progress(), set()
+    if not meta_path.is_file():
+        raise ValueError(f"--resume: {meta_path} is missing, so where {out} stopped is unknown; start a new --out")
+    meta = json.loads(meta_path.read_text())
+    if meta["params"] != cfg.data_params():
+        changed = {k: (meta["params"].get(k), v) for k, v in cfg.data_params().items() if meta["params"].get(k) != v}
+        raise ValueError(f"--resume with other data parameters (recorded, given): {changed}")
+    if meta.get("head", head) != head:   # e.g. a template that writes today's date
+        raise ValueError(f"--resume: the chat template now starts a question differently from when {out} "
+                         "was begun; start a new --out")
+    if torch.device(meta["device"]).type != torch.device(cfg.device).type:
+        raise ValueError(f"--resume: {out} was made on {meta['device']}; pass --device {meta['device']} "
+                         "(samples differ across devices) or start a new --out")
+    progress = Progress(**meta["progress"])
+    seen = {normalize(_user_text(r)) for r in _restore(out, progress.lines)}
+    log.info("resuming %s at round %d with %d conversations", out, progress.rounds, progress.lines)
+    return progress, seen
+
+
 def distill(cfg: DataConfig, show_progress: bool = True) -> Progress:
     """Write `cfg.out` (see the module docstring); returns the run's totals."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -275,24 +318,7 @@ def distill(cfg: DataConfig, show_progress: bool = True) -> Progress:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(cfg.device).eval()
     job = Distiller(cfg, model, tok, index)
 
-    progress, seen = Progress(), set()
-    if cfg.resume and out.exists():
-        if not meta_path.is_file():
-            raise ValueError(f"--resume: {meta_path} is missing, so where {out} stopped is unknown; start a new --out")
-        meta = json.loads(meta_path.read_text())
-        if meta["params"] != cfg.data_params():
-            changed = {k: (meta["params"].get(k), v) for k, v in cfg.data_params().items() if meta["params"].get(k) != v}
-            raise ValueError(f"--resume with other data parameters (recorded, given): {changed}")
-        if meta.get("head", job.head) != job.head:   # e.g. a template that writes today's date
-            raise ValueError(f"--resume: the chat template now starts a question differently from when {out} "
-                             "was begun; start a new --out")
-        if torch.device(meta["device"]).type != torch.device(cfg.device).type:
-            raise ValueError(f"--resume: {out} was made on {meta['device']}; pass --device {meta['device']} "
-                             "(samples differ across devices) or start a new --out")
-        progress = Progress(**meta["progress"])
-        seen = {normalize(_user_text(r)) for r in _restore(out, progress.lines)}
-        log.info("resuming %s at round %d with %d conversations", out, progress.rounds, progress.lines)
-
+    progress, seen = _resumed(cfg, out, meta_path, job.head)
     if prompts is not None:  # filter once, in file order: round r is the r-th slice of what is kept
         kept, file_seen, scratch = [], set(), Progress()
         for p in prompts:
@@ -318,21 +344,7 @@ def distill(cfg: DataConfig, show_progress: bool = True) -> Progress:
     try:
         while progress.lines < goal and not (prompts is not None and progress.rounds * cfg.batch_size >= len(prompts)):
             r, (answered, counted) = next(rounds)
-            records = []
-            for record, tokens, finished in answered:
-                if progress.lines + len(records) == goal:
-                    break
-                key = normalize(_user_text(record))
-                if prompts is None and key in seen:   # written by an earlier round
-                    progress.reject("duplicate")
-                    continue
-                seen.add(key)
-                records.append(record)
-                progress.answer_tokens += tokens
-                progress.answers_unfinished += not finished
-            progress.prompt_tokens += counted.prompt_tokens
-            for why, count in counted.rejected.items():
-                progress.rejected[why] = progress.rejected.get(why, 0) + count
+            records = progress.keep(answered, counted, goal - progress.lines, seen if prompts is None else None)
             with out.open("a", encoding="utf-8") as f:
                 f.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
                 f.flush()
