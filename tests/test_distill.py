@@ -16,7 +16,7 @@ from spd.cli import app
 from spd.distill import run as distill_run
 from spd.distill.prompts import PromptError, read_prompts
 from spd.distill.run import DataConfig, distill
-from spd.distill.sample import SampleConfig, pick, sample_batch
+from spd.distill.sample import ATTENTION, SampleConfig, pick, sample_batch
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,11 @@ def test_batched_rows_that_end_decode_exactly_as_alone():
     batched = sample_batch(model, prompts, greedy, [stop], 0)
     assert batched[0].finished and batched[0].tokens == free[0][:free[0].index(stop)]
     assert [(b.tokens, b.finished) for b in batched] == [(a.tokens, a.finished) for a in alone]
+    # the grouped decode attention computes what SDPA does (padding rows included)
+    model.set_attn_implementation(ATTENTION)
+    assert [r.tokens for r in sample_batch(model, prompts, greedy, [], 0)] == free
+    assert [(r.tokens, r.finished) for r in sample_batch(model, prompts, greedy, [stop], 0)] == \
+        [(a.tokens, a.finished) for a in alone]
 
 
 # ----- runs -------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def bench_data(
     from ..default_target import resolve_model_path
     from ..distill.prompts import opener
     from ..distill.run import chat_frame
-    from ..distill.sample import SampleConfig, sample_batch
+    from ..distill.sample import ATTENTION, SampleConfig, sample_batch
     from ..loading import parse_dtype
 
     try:
@@ -58,10 +58,12 @@ def bench_data(
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
 
     def spd_sampler(batch, gen):
+        lm.set_attn_implementation(ATTENTION)
         return sum(len(r.tokens) + r.finished for r in
                    sample_batch(lm, batch, SampleConfig(max_new_tokens, temperature), stop, pad, gen))
 
     def hf_generate(batch, gen):
+        lm.set_attn_implementation("sdpa")
         tok.padding_side = "left"
         enc = tok.pad({"input_ids": batch}, return_tensors="pt")
         with torch.inference_mode():

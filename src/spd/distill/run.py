@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .prompts import EvalIndex, default_eval_dir, load_eval_prompts, normalize, opener, read_prompts
-from .sample import SampleConfig, sample_batch
+from .sample import ATTENTION, SampleConfig, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +316,7 @@ def distill(cfg: DataConfig, show_progress: bool = True) -> Progress:
         raise ValueError(f"{cfg.model} has no chat template: pass --raw to continue plain text (a base model), "
                          "or use a chat model")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(cfg.device).eval()
+    model.set_attn_implementation(ATTENTION)
     job = Distiller(cfg, model, tok, index)
 
     progress, seen = _resumed(cfg, out, meta_path, job.head)
