@@ -266,3 +266,34 @@ def default_ar(default_target):
         return references[key]
 
     return ar
+
+
+def stop_at_second_kept_round(write_meta):
+    """(writer, kept): `write_meta` that raises KeyboardInterrupt at the second round that keeps
+    lines, after they are written but before its progress is (a torn round on disk, as a kill
+    leaves it); `kept` collects the recorded line counts. For the data generators' resume tests."""
+    kept = []
+
+    def write(path, meta):
+        lines = meta["progress"]["lines"]
+        if lines and lines != (kept or [0])[-1]:
+            kept.append(lines)
+            if len(kept) == 2:
+                raise KeyboardInterrupt
+        write_meta(path, meta)
+
+    return write, kept
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    """A word-level chat tokenizer with no pad token and a random model that samples uniformly
+    (zeroed head), so some questions end with <|im_end|> and pass the filters."""
+    folder = tmp_path_factory.mktemp("chat_model")
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", num_layers=2, vocab=len(tok))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -3,29 +3,13 @@ same file as an uninterrupted one, the resume guards refuse what would break tha
 chat frame (question head, end-of-turn token) is read from any template that has one."""
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import load_script, tiny_model, tiny_tokenizer
+from conftest import load_script, stop_at_second_kept_round, tiny_tokenizer
 
 LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    """A word-level chat tokenizer with no pad token and a random model that samples uniformly
-    (zeroed head), so some questions end with <|im_end|> and pass the filters."""
-    folder = tmp_path_factory.mktemp("chat_model")
-    tok = tiny_tokenizer()
-    model = tiny_model("llama", num_layers=2, vocab=len(tok))
-    with torch.no_grad():
-        model.lm_head.weight.zero_()
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def _args(model, eval_dir, out, n, *extra):
@@ -65,15 +49,8 @@ def test_crashed_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, mo
     # Crash at the second round that keeps lines, after they are written but before its
     # progress is: the resume must cut them back and redo that round from its own seed.
     crashed = tmp_path / "crashed.jsonl"
-    real_write, kept_rounds = script._write_meta, []
-
-    def write_then_crash(path, meta):
-        lines = meta["progress"]["lines"]
-        if lines and lines != (kept_rounds or [0])[-1]:
-            kept_rounds.append(lines)
-            if len(kept_rounds) == 2:
-                raise KeyboardInterrupt
-        real_write(path, meta)
+    real_write = script._write_meta
+    write_then_crash, kept_rounds = stop_at_second_kept_round(real_write)
 
     monkeypatch.setattr(script, "_write_meta", write_then_crash)
     with pytest.raises(KeyboardInterrupt):

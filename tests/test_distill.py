@@ -11,26 +11,12 @@ import torch
 from scipy.stats import chisquare
 from typer.testing import CliRunner
 
-from conftest import EVAL, tiny_model, tiny_tokenizer
+from conftest import EVAL, stop_at_second_kept_round, tiny_model, tiny_tokenizer
 from spd.cli import app
 from spd.distill import run as distill_run
 from spd.distill.prompts import PromptError, read_prompts
 from spd.distill.run import DataConfig, distill
 from spd.distill.sample import ATTENTION, SampleConfig, pick, sample_batch
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    """A word-level chat tokenizer with no pad token and a random model that samples uniformly
-    (zeroed head), so questions and answers end with <|im_end|> now and then."""
-    folder = tmp_path_factory.mktemp("chat_model")
-    tok = tiny_tokenizer()
-    model = tiny_model("llama", num_layers=2, vocab=len(tok))
-    with torch.no_grad():
-        model.lm_head.weight.zero_()
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +99,8 @@ def test_a_stopped_run_resumes_to_the_same_file(chat_model, eval_dir, tmp_path, 
 
     # Stop at the second round that keeps lines, after they are written but before its progress
     # is: the resume must cut them back and redo that round from its own seed.
-    stopped, real_write, kept = tmp_path / "stopped.jsonl", distill_run._write_meta, []
-
-    def write_then_stop(path, meta):
-        lines = meta["progress"]["lines"]
-        if lines and lines != (kept or [0])[-1]:
-            kept.append(lines)
-            if len(kept) == 2:
-                raise KeyboardInterrupt
-        real_write(path, meta)
+    stopped, real_write = tmp_path / "stopped.jsonl", distill_run._write_meta
+    write_then_stop, kept = stop_at_second_kept_round(real_write)
 
     monkeypatch.setattr(distill_run, "_write_meta", write_then_stop)
     with pytest.raises(KeyboardInterrupt):
