@@ -211,3 +211,28 @@ def test_vocab_count_top_and_files(tmp_path):
     assert load_vocab(tmp_path / "v.txt") == [1, 4, 9]
     with pytest.raises(FileNotFoundError, match="spd vocab"):
         load_vocab(tmp_path / "nope.json")
+
+
+def test_feature_cache_pass_in_another_dtype(saved_llama6, tmp_path):
+    """--feature-dtype bfloat16: the cache is built by the model loaded again in bf16 (the float32
+    target trains on it), its features are the bf16 pass's, and the meta says which pass made them."""
+    from spd.target import load_target
+    from spd.train import TrainConfig, train
+
+    model, folder = saved_llama6
+    target = Target.from_hf(model)
+    seqs = [np.random.default_rng(k).integers(0, 64, size=12).tolist() for k in range(6)]
+    data = write_ids(tmp_path / "d.jsonl", seqs)
+    cfg = TrainConfig(model=str(folder / "model"), data=(str(data),), out=str(tmp_path / "o"), stages=2,
+                      max_steps=1, batch_tokens=48, eval_fraction=0.0, cache_dtype="float32",
+                      feature_dtype="bfloat16", progress=False)
+    train(cfg, target=target)
+    features = tmp_path / "o" / "cache" / "features"
+    assert json.loads((features / "meta.json").read_text())["pass_dtype"] == "bfloat16"
+    tokens = open_token_store(tmp_path / "o" / "cache" / "tokens", [data], None, 64, 512)
+    store = FeatureStore.open_or_create(features, tokens, target, [0, 3])
+    cached, _, _ = store.read(0, [3])
+    bf16 = load_target(str(folder / "model"), torch.bfloat16)[0]
+    for pass_target, equal in ((bf16, True), (target, False)):
+        snaps, _ = target_pass(pass_target, torch.tensor([seqs[0]]), [3])
+        assert torch.equal(torch.from_numpy(np.array(cached[:, 0])), snaps[3][0].float()) == equal

@@ -48,6 +48,8 @@ def train(
     feature_cache: Optional[bool] = typer.Option(None, "--feature-cache/--no-feature-cache", help="Run the target once and keep its features on disk (default on)."),
     cache_anchors: Optional[str] = typer.Option(None, help="Extra anchors to store, so runs with other n reuse the cache."),
     cache_dtype: Optional[str] = typer.Option(None, help="float16 (default) or float32 feature cache."),
+    feature_dtype: Optional[str] = typer.Option(None, help="Target dtype of the feature-cache pass, e.g. bfloat16 (~2x faster "
+                                                "on CPUs with bf16 instructions; default: --dtype)."),
     regenerate: Optional[str] = typer.Option(None, help="greedy | sample: the target rewrites the chat answers first."),
     regen_max_new_tokens: Optional[int] = typer.Option(None, help="Longest regenerated answer (default 256)."),
     eval_fraction: Optional[float] = typer.Option(None, help="Held-out share of sequences for eval (default 0.02)."),
@@ -88,7 +90,7 @@ def train(
             grad_accum=grad_accum, max_len=max_len, pack=pack, partial_fill=partial_fill,
             temperature=temperature, grad_clip=grad_clip, weight_decay=weight_decay, precision=precision,
             device=device, target_dtype=dtype, cache=cache, feature_cache=feature_cache,
-            cache_anchors=_ints(cache_anchors, "--cache-anchors"), cache_dtype=cache_dtype,
+            cache_anchors=_ints(cache_anchors, "--cache-anchors"), cache_dtype=cache_dtype, feature_dtype=feature_dtype,
             regenerate=regenerate, regen_max_new_tokens=regen_max_new_tokens, eval_fraction=eval_fraction,
             eval_head=eval_head, train_tokens=train_tokens,
             eval_every=eval_every, save_every=save_every, stop_after=stop_after, seed=seed)

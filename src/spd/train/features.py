@@ -174,6 +174,7 @@ class FeatureStore:
         bar.close()
         self._flush()
         self.meta["complete"] = True
+        self.meta["pass_dtype"] = str(target.dtype).removeprefix("torch.")   # provenance: the pass's precision
         (self.folder / "meta.json").write_text(json.dumps(self.meta, indent=1))
         log.info("feature cache complete: %d tokens in %.0fs", done_tokens, time.perf_counter() - t0)
 

@@ -77,6 +77,7 @@ class TrainConfig:
     feature_cache: bool = True
     cache_anchors: tuple[int, ...] = ()   # extra anchors to store, for later runs with other n
     cache_dtype: str = "float16"
+    feature_dtype: str | None = None      # target dtype of the feature-cache pass (default: target_dtype)
     regenerate: str | None = None         # None | greedy | sample: the target rewrites answers
     regen_temperature: float = 0.7
     regen_max_new_tokens: int = 256
@@ -198,13 +199,26 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, anchors, rank: int = 0):
     if cfg.feature_cache:
         store = FeatureStore.open_or_create(cache / "features", tokens, target,
                                             sorted(set(anchors) | set(cfg.cache_anchors)), cfg.cache_dtype)
-        if rank == 0:
-            store.build(target, batch_tokens=max(cfg.batch_tokens, 4096), progress=cfg.progress)
+        if rank == 0 and not store.complete:
+            store.build(_feature_target(cfg, target), batch_tokens=max(cfg.batch_tokens, 4096), progress=cfg.progress)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         if rank != 0:  # reopen read-only now that rank 0 finished it
             store = FeatureStore.open_or_create(cache / "features", tokens, target, anchors, cfg.cache_dtype)
     return tokens, BatchLoader(target, tokens, anchors, store)
+
+
+def _feature_target(cfg: TrainConfig, target):
+    """The target that runs the feature-cache pass: `target`, or the model loaded again in
+    --feature-dtype (bfloat16 runs that pass ~2x faster on CPUs with bf16 instructions; the
+    features are stored as float16 either way, and training reads them in float32)."""
+    from ..loading import parse_dtype
+
+    if cfg.feature_dtype is None or parse_dtype(cfg.feature_dtype) == target.dtype:
+        return target
+    from ..target import load_target
+    log.info("feature cache pass in %s", cfg.feature_dtype)
+    return load_target(cfg.model, parse_dtype(cfg.feature_dtype), target.device)[0]
 
 
 def train(cfg: TrainConfig, target=None, tokenizer=None) -> TrainSummary:
