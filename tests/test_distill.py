@@ -196,3 +196,25 @@ def test_cli_refuses_bad_input_with_one_error_line(chat_model, base_model, eval_
         lines = result.output.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
         assert __import__("re").search(message, lines[0]), lines[0]
+
+
+def test_raw_openers_drawn_twice_in_a_round_are_answered_once(base_model, eval_dir):
+    """Without --prompts in raw mode the openers are the prompts; a round draws the same free
+    opener several times (1 in 10 draws is one of ~20), and each is answered once."""
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spd.distill.prompts import normalize, opener
+    from spd.distill.run import Distiller, Progress
+
+    cfg = _cfg(base_model, "unused.jsonl", eval_dir, raw=True, batch_size=128)
+    tok, model = AutoTokenizer.from_pretrained(base_model), AutoModelForCausalLM.from_pretrained(base_model)
+    rng = random.Random(f"{cfg.seed}-0")   # round 0's openers, as Distiller.questions draws them
+    drawn = [opener(rng) for _ in range(cfg.batch_size)]
+    assert len(set(drawn)) < len(drawn)   # else this test checks nothing
+    progress = Progress()
+    prompts = Distiller(cfg, model, tok, None).questions(0, torch.Generator(), set(), progress)
+    texts = [normalize(p[-1]["content"]) for p in prompts]
+    assert sorted(set(texts)) == sorted(texts) == sorted({normalize(d) for d in drawn})
+    assert progress.rejected["duplicate"] == len(drawn) - len(texts)

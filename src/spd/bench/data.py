@@ -38,7 +38,7 @@ def bench_data(
 
     from ..default_target import resolve_model_path
     from ..distill.prompts import opener
-    from ..distill.run import chat_frame
+    from ..distill.run import chat_frame, eos_ids
     from ..distill.sample import ATTENTION, SampleConfig, sample_batch
     from ..loading import parse_dtype
 
@@ -54,7 +54,7 @@ def bench_data(
                                             tokenize=True, return_dict=True)["input_ids"])
                for _ in range(batch_size * batches)]
     batches_ids = [prompts[b * batch_size:(b + 1) * batch_size] for b in range(batches)]
-    stop = sorted({end_of_turn, tok.eos_token_id} - {None})
+    stop = sorted(eos_ids(lm, tok) | {end_of_turn})   # what ends an answer in spd data
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
 
     def spd_sampler(batch, gen):

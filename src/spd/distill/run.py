@@ -142,13 +142,18 @@ def _user_text(record: dict) -> str:
     return record["messages"][-2]["content"] if "messages" in record else record["prompt"]
 
 
+def eos_ids(model, tok) -> set[int]:
+    """The ids that end a continuation: the tokenizer's and the generation config's end of sequence."""
+    return {i for i in [tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)] if i is not None}
+
+
 class Distiller:
     """The model, tokenizer and filters of one `spd data` run."""
 
     def __init__(self, cfg: DataConfig, model, tok, index: EvalIndex | None):
         self.cfg, self.model, self.tok, self.index = cfg, model, tok, index
         self.special = set(tok.all_special_ids)
-        self.stop = {i for i in [tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)] if i is not None}
+        self.stop = eos_ids(model, tok)
         self.head = None
         if not cfg.raw:
             try:   # the turn's end token ends answers too (Llama 3's <|eot_id|> is not its eos)
@@ -175,8 +180,13 @@ class Distiller:
         twice in `seen`."""
         rng = random.Random(f"{self.cfg.seed}-{r}")
         starts = [opener(rng) for _ in range(self.cfg.batch_size)]
-        if self.cfg.raw:
-            return [[{"role": "user", "content": s}] for s in starts if self.keep_prompt(s, seen, progress)]
+        if self.cfg.raw:   # the openers are the prompts: each answered once
+            out = []
+            for start in starts:
+                if self.keep_prompt(start, seen, progress):
+                    out.append([{"role": "user", "content": start}])
+                    seen.add(normalize(start))
+            return out
         ids = [self.tok(self.head + s, add_special_tokens=False)["input_ids"] for s in starts]
         written = sample_batch(self.model, ids, SampleConfig(self.cfg.question_tokens, self.cfg.question_temperature,
                                                              0.95), self.stop, self.pad, gen)
