@@ -1,5 +1,6 @@
 # From a fresh clone: `make demo` (the main job) or `make test` (the test suite, what CI runs).
-# `make test` lints first (ruff: pyflakes and import order, configured in pyproject.toml).
+# `make test` lints first (ruff: pyflakes and import order, configured in pyproject.toml), then runs
+# the suite on every core (pytest-xdist: a test file per worker at a time).
 # Each first runs scripts/setup.sh, which installs into the Python environment you are in only
 # what is missing (it checks what is installed each time) and says so in one line when it does.
 # PYTHON=... picks the interpreter; ARGS=... passes options on (`make demo ARGS="--stages 4"`).
@@ -17,4 +18,4 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m ruff check src tests scripts
-	$(PYTHON) -m pytest -q -p no:cacheprovider $(ARGS)
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n auto --dist loadfile $(ARGS)

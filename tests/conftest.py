@@ -183,7 +183,9 @@ def count_draws(draw, total: int, workers: int | None = None) -> Counter:
     time: the statistical tests are single-threaded Python, and fork carries the fixtures and
     monkeypatches to the workers."""
     global _DRAW
-    workers = min(workers or len(os.sched_getaffinity(0)), 8, total)   # the cores this process may use
+    # one per core this process may use, even beside other pytest-xdist workers: single-threaded
+    # processes share cores without loss, and a suite's last draws then finish on every core
+    workers = min(workers or len(os.sched_getaffinity(0)), 8, total)
     _DRAW = draw
     try:
         if workers == 1:
