@@ -183,9 +183,9 @@ def count_draws(draw, total: int, workers: int | None = None) -> Counter:
     time: the statistical tests are single-threaded Python, and fork carries the fixtures and
     monkeypatches to the workers."""
     global _DRAW
-    # one per core this process may use, even beside other pytest-xdist workers: single-threaded
-    # processes share cores without loss, and a suite's last draws then finish on every core
-    workers = min(workers or len(os.sched_getaffinity(0)), 8, total)
+    # the cores this process may use, shared with the other pytest-xdist workers when there are some
+    cores = len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    workers = min(workers or max(cores, 1), 8, total)
     _DRAW = draw
     try:
         if workers == 1:
