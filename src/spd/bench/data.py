@@ -56,6 +56,8 @@ def bench_data(
     batches_ids = [prompts[b * batch_size:(b + 1) * batch_size] for b in range(batches)]
     stop = sorted(eos_ids(lm, tok) | {end_of_turn})   # what ends an answer in spd data
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
+    if tok.pad_token is None:   # generate's left padding needs one (Llama's tokenizers have none)
+        tok.pad_token = tok.convert_ids_to_tokens(pad)
 
     def spd_sampler(batch, gen):
         lm.set_attn_implementation(ATTENTION)
