@@ -18,6 +18,14 @@ from spd.target import Target
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def one_thread_after_each_test():
+    """A command under test may set more torch threads (its --threads default); the next test
+    starts at one again, so two xdist workers never run more threads than there are cores."""
+    yield
+    torch.set_num_threads(1)
+
 CONFIGS = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,

@@ -224,7 +224,8 @@ def test_bench_data_runs_on_a_tokenizer_without_a_pad_token(chat_model):
     """`spd bench data` times both samplers on the same prompts; generate's left padding works
     for a tokenizer that names no pad token (Llama's have none)."""
     result = CliRunner().invoke(app, ["bench", "data", "--model", str(chat_model), "--batch-size", "2",
-                                      "--max-new-tokens", "4", "--repeats", "1", "--dtype", "float32", "--json"])
+                                      "--max-new-tokens", "4", "--repeats", "1", "--dtype", "float32", "--threads", "1",
+                                      "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["best"]["generate"] > 0 and report["best"]["spd_data"] > 0
