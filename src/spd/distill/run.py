@@ -169,10 +169,13 @@ class Distiller:
         self.answer = SampleConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
 
     def keep_prompt(self, text: str, seen: set[str], progress: Progress) -> bool:
+        """Whether to answer `text`; a kept one joins `seen`, so it is not answered twice."""
         why = ("empty" if not text.strip() else "duplicate" if normalize(text) in seen
                else "eval_overlap" if self.index is not None and self.index.overlap(text) else None)
         if why:
             progress.reject(why)
+        else:
+            seen.add(normalize(text))
         return why is None
 
     def questions(self, r: int, gen: torch.Generator, seen: set[str], progress: Progress) -> list[list[dict]]:
@@ -181,12 +184,7 @@ class Distiller:
         rng = random.Random(f"{self.cfg.seed}-{r}")
         starts = [opener(rng) for _ in range(self.cfg.batch_size)]
         if self.cfg.raw:   # the openers are the prompts: each answered once
-            out = []
-            for start in starts:
-                if self.keep_prompt(start, seen, progress):
-                    out.append([{"role": "user", "content": start}])
-                    seen.add(normalize(start))
-            return out
+            return [[{"role": "user", "content": s}] for s in starts if self.keep_prompt(s, seen, progress)]
         ids = [self.tok(self.head + s, add_special_tokens=False)["input_ids"] for s in starts]
         written = sample_batch(self.model, ids, SampleConfig(self.cfg.question_tokens, self.cfg.question_temperature,
                                                              0.95), self.stop, self.pad, gen)
@@ -200,7 +198,6 @@ class Distiller:
                 progress.reject("question_length")
             elif self.keep_prompt(text, seen, progress):
                 out.append([{"role": "user", "content": text}])
-                seen.add(normalize(text))
         return out
 
     def answers(self, prompts: list[list[dict]], gen: torch.Generator, progress: Progress) -> list[tuple]:
@@ -335,7 +332,6 @@ def distill(cfg: DataConfig, show_progress: bool = True) -> Progress:
         for p in prompts:
             if job.keep_prompt(p[-1]["content"], file_seen, scratch):
                 kept.append(p)
-                file_seen.add(normalize(p[-1]["content"]))
         if not kept:
             raise ValueError(f"--prompts {cfg.prompts}: every prompt was dropped ({scratch.rejected})")
         prompts = kept
