@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from spd.drafters import PDMDrafter
 from spd.sampling import SamplingParams
 from spd.target import split_layers
 from spd.train import TrainConfig, pdm_layout, structural_mask, train
+from spd.train.loop import evaluate_checkpoint
 from spd.train.features import target_pass
 from spd.train.objective import DraftForward
 from spd.train.session import StopSignal
@@ -110,6 +112,13 @@ def test_resume_continues_exactly(tmp_path):
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
     assert json.loads((tmp_path / "paused/pdm_config.json").read_text())["extra"]["training"]["step"] == 100
+    # the held-out figures of a finished PDM, measured again from its folder alone (the split, anchors
+    # and body come from the checkpoint, not from the config's stages=2)
+    cfg, target = resume_config(tmp_path, "scratch")
+    again = evaluate_checkpoint(replace(cfg, stages=2), tmp_path / "straight", target=target)
+    assert again["tokens"] == straight.eval["tokens"]
+    for key in ("loss", "agreement_full", "agreement_partial"):
+        assert again[key] == pytest.approx(straight.eval[key], abs=1e-5), key
 
 
 def test_config_errors(tmp_path):

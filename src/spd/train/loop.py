@@ -267,6 +267,36 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> TrainSummary:
     return summary
 
 
+def evaluate_checkpoint(cfg: TrainConfig, folder, target=None, tokenizer=None) -> dict:
+    """Held-out loss and agreement of the PDM in `folder` on the eval split that `cfg` defines (its
+    data, --eval-head or --eval-fraction, and cache): a data-size curve's point for a PDM trained
+    elsewhere. The PDM's own split, anchors, body depth and draft vocabulary are used; `cfg.out`
+    is scratch space (it receives the draft vocabulary file)."""
+    from ..checkpoint import read_config
+
+    session = Session.start(cfg.device)
+    if target is None:
+        from ..loading import parse_dtype
+        from ..target import load_target
+        target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
+    config = read_config(folder)
+    pdm = load_pdm(folder, target).float()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = None
+    if config.draft_vocab_size is not None:  # the ids travel in the checkpoint; build_pdm reads a file
+        vocab = out / "draft_vocab.json"
+        vocab.write_text(json.dumps({"ids": pdm.draft_ids.tolist(), "vocab_size": target.vocab_size}) + "\n")
+    cfg = replace(cfg, stages=len(config.stage_layers), split=tuple(config.stage_layers),
+                  anchors=tuple(config.anchors), pdm_layers=config.num_layers,
+                  draft_vocab=str(vocab) if vocab else None, proj_init="random", resume=False)
+    run = _Run.open(cfg, session, target, tokenizer)
+    run.pdm.load_state_dict(pdm.state_dict())
+    result = run.evaluate() if run.eval_batches else {}
+    session.close()
+    return result
+
+
 class _Run:
     """One training run's state (model, data, optimizer, step) and its computations."""
 
