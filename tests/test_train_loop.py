@@ -19,8 +19,8 @@ from spd.drafters import PDMDrafter
 from spd.sampling import SamplingParams
 from spd.target import split_layers
 from spd.train import TrainConfig, pdm_layout, structural_mask, train
-from spd.train.loop import evaluate_checkpoint
 from spd.train.features import target_pass
+from spd.train.loop import evaluate_checkpoint
 from spd.train.objective import DraftForward
 from spd.train.session import StopSignal
 from spd.vocab import count_tokens, save_vocab, top_ids
