@@ -38,7 +38,7 @@ def bench_data(
 
     from ..default_target import resolve_model_path
     from ..distill.prompts import opener
-    from ..distill.run import chat_frame, eos_ids
+    from ..distill.run import chat_frame, eos_ids, pad_id
     from ..distill.sample import ATTENTION, SampleConfig, sample_batch
     from ..loading import parse_dtype
 
@@ -55,7 +55,7 @@ def bench_data(
                for _ in range(batch_size * batches)]
     batches_ids = [prompts[b * batch_size:(b + 1) * batch_size] for b in range(batches)]
     stop = sorted(eos_ids(lm, tok) | {end_of_turn})   # what ends an answer in spd data
-    pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
+    pad = pad_id(tok, stop)
     if tok.pad_token is None:   # generate's left padding needs one (Llama's tokenizers have none)
         tok.pad_token = tok.convert_ids_to_tokens(pad)
 

@@ -147,6 +147,11 @@ def eos_ids(model, tok) -> set[int]:
     return {i for i in [tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)] if i is not None}
 
 
+def pad_id(tok, stop) -> int:
+    """The id batches are padded with: the tokenizer's pad, else the smallest stop id (0 without one)."""
+    return tok.pad_token_id if tok.pad_token_id is not None else min(stop, default=0)
+
+
 class Distiller:
     """The model, tokenizer and filters of one `spd data` run."""
 
@@ -165,7 +170,7 @@ class Distiller:
                     raise
         if not self.stop:
             log.warning("%s names no end-of-sequence token: every continuation runs to --max-new-tokens", cfg.model)
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else min(self.stop, default=0)
+        self.pad = pad_id(tok, self.stop)
         self.answer = SampleConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
 
     def keep_prompt(self, text: str, seen: set[str], progress: Progress) -> bool:
