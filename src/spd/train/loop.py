@@ -272,15 +272,13 @@ def evaluate_checkpoint(cfg: TrainConfig, folder, target=None, tokenizer=None) -
     data, --eval-head or --eval-fraction, and cache): a data-size curve's point for a PDM trained
     elsewhere. The PDM's own split, anchors, body depth and draft vocabulary are used; `cfg.out`
     is scratch space (it receives the draft vocabulary file)."""
-    from ..checkpoint import read_config
-
     session = Session.start(cfg.device)
     if target is None:
         from ..loading import parse_dtype
         from ..target import load_target
         target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
-    config = read_config(folder)
     pdm = load_pdm(folder, target).float()
+    config = pdm.config
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = None
