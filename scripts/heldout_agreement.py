@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 
 import torch
 
@@ -34,10 +33,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rows = []
     for folder in args.pdm:
-        with tempfile.TemporaryDirectory() as scratch:
-            cfg = TrainConfig(model=args.model, data=tuple(args.data), out=scratch, eval_head=args.eval_head,
-                              cache=args.cache, batch_tokens=args.batch_tokens, progress=False)
-            ev = evaluate_checkpoint(cfg, folder)
+        cfg = TrainConfig(model=args.model, data=tuple(args.data), out=folder, eval_head=args.eval_head,
+                          cache=args.cache, batch_tokens=args.batch_tokens, progress=False)
+        ev = evaluate_checkpoint(cfg, folder)  # reads the folder, writes nothing
         rows.append({"pdm": folder, **ev})
         print(json.dumps(rows[-1]), flush=True)
     print("\n| PDM | held-out loss | agreement full / partial | tokens |\n|---|---|---|---|")

@@ -119,6 +119,22 @@ def test_resume_continues_exactly(tmp_path):
     assert again["tokens"] == straight.eval["tokens"]
     for key in ("loss", "agreement_full", "agreement_partial"):
         assert again[key] == pytest.approx(straight.eval[key], abs=1e-5), key
+    written = {p.relative_to(tmp_path / "scratch").parts[0] for p in (tmp_path / "scratch").rglob("*")}
+    assert written == {"cache"}  # scoring writes only the feature cache it was not given
+
+
+def test_evaluate_checkpoint_with_draft_vocabulary(tmp_path):
+    """A PDM with a draft vocabulary is scored on its own ids (they travel in the checkpoint)."""
+    target = tiny_target(num_layers=4, seed=1)
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps({"ids": list(range(0, target.vocab_size, 2)), "vocab_size": target.vocab_size}))
+    cfg, target = resume_config(tmp_path, "with-vocab", draft_vocab=str(vocab))
+    trained = train(replace(cfg, max_steps=20), target=target)
+    cfg, target = resume_config(tmp_path, "scratch")
+    again = evaluate_checkpoint(cfg, tmp_path / "with-vocab", target=target)
+    assert again["tokens"] == trained.eval["tokens"]
+    for key in ("loss", "agreement_full", "agreement_partial"):
+        assert again[key] == pytest.approx(trained.eval[key], abs=1e-5), key
 
 
 def test_config_errors(tmp_path):

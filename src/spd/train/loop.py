@@ -270,8 +270,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> TrainSummary:
 def evaluate_checkpoint(cfg: TrainConfig, folder, target=None, tokenizer=None) -> dict:
     """Held-out loss and agreement of the PDM in `folder` on the eval split that `cfg` defines (its
     data, --eval-head or --eval-fraction, and cache): a data-size curve's point for a PDM trained
-    elsewhere. The PDM's own split, anchors, body depth and draft vocabulary are used; `cfg.out`
-    is scratch space (it receives the draft vocabulary file)."""
+    elsewhere. The PDM's own split, anchors, body depth and draft vocabulary are used; nothing is
+    written but the feature cache, where `cfg.cache` is unset (then in `cfg.out`/cache)."""
     session = Session.start(cfg.device)
     if target is None:
         from ..loading import parse_dtype
@@ -279,17 +279,9 @@ def evaluate_checkpoint(cfg: TrainConfig, folder, target=None, tokenizer=None) -
         target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
     pdm = load_pdm(folder, target).float()
     config = pdm.config
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = None
-    if config.draft_vocab_size is not None:  # the ids travel in the checkpoint; build_pdm reads a file
-        vocab = out / "draft_vocab.json"
-        vocab.write_text(json.dumps({"ids": pdm.draft_ids.tolist(), "vocab_size": target.vocab_size}) + "\n")
     cfg = replace(cfg, stages=len(config.stage_layers), split=tuple(config.stage_layers),
-                  anchors=tuple(config.anchors), pdm_layers=config.num_layers,
-                  draft_vocab=str(vocab) if vocab else None, proj_init="random", resume=False)
-    run = _Run.open(cfg, session, target, tokenizer)
-    run.pdm.load_state_dict(pdm.state_dict())
+                  anchors=tuple(config.anchors), pdm_layers=config.num_layers, draft_vocab=None, resume=False)
+    run = _Run.open(cfg, session, target, tokenizer, pdm=pdm)
     result = run.evaluate() if run.eval_batches else {}
     session.close()
     return result
@@ -299,16 +291,19 @@ class _Run:
     """One training run's state (model, data, optimizer, step) and its computations."""
 
     @classmethod
-    def open(cls, cfg: TrainConfig, session: Session, target=None, tokenizer=None) -> "_Run":
-        """Load the target, build or resume the PDM, prepare the data and the optimizer."""
+    def open(cls, cfg: TrainConfig, session: Session, target=None, tokenizer=None, pdm=None) -> "_Run":
+        """Load the target, build or resume the PDM (or take `pdm`, fp32, as it is: scoring a trained
+        one), prepare the data and the optimizer."""
         out = Path(cfg.out)
         if target is None:
             from ..loading import parse_dtype
             from ..target import load_target
             target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
-        state = run_state(out, cfg) or None
-        out.mkdir(parents=True, exist_ok=True)
-        pdm = build_pdm(target, cfg)
+        fresh, state = pdm is None, None
+        if fresh:
+            state = run_state(out, cfg) or None
+            out.mkdir(parents=True, exist_ok=True)
+            pdm = build_pdm(target, cfg)
         if state is not None:
             pdm.load_state_dict(load_pdm(out, target, list(pdm.config.stage_layers)).float().state_dict())
         layout = pdm_layout(pdm, cfg.layout)
@@ -321,7 +316,7 @@ class _Run:
             optimizer.load_state_dict(state["optimizer"])
         tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
         run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state or {})
-        if state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
+        if fresh and state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
             batch = loader(run.plan(0)[0])
             rms = float(batch.last.float().pow(2).mean().sqrt()) if cfg.init_from != "none" else 1.0
             scale_projections(pdm, batch.features[batch.score], rms, cfg.seed)
