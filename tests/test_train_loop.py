@@ -198,6 +198,20 @@ def test_cli_vocab_train_generate(chat_model, tmp_path):
     assert "tokens identical" in err
 
 
+def test_cli_eagle_head_on_chosen_feature_layers(chat_model, tmp_path):
+    """--feature-layers picks the hidden states an EAGLE-style head fuses (e.g. those a shared
+    cache holds); the head's config keeps them and --resume keeps the run's."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(6)))
+    common = ("--eval-fraction", 0.2, "--no-progress", "--threads", 1)
+    code, _, err = cli("train", "--method", "eagle", "--model", chat_model, "--data", data, "--out", tmp_path / "eagle",
+                       "--feature-layers", "1,3", "--max-steps", 4, "--stop-after", 2, *common)
+    assert code == 0, err
+    assert json.loads((tmp_path / "eagle/head_config.json").read_text())["config"]["feature_layers"] == [1, 3]
+    code, _, err = cli("train", "--out", tmp_path / "eagle", "--resume", "--feature-layers", "2,4", "--no-progress")
+    assert code == 2 and "feature_layers=[1, 3], now feature_layers=[2, 4]" in err, err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "MISSING.jsonl"], "does not exist"),
     (["--max-len", "1"], "at least 2"),
@@ -206,6 +220,8 @@ def test_cli_vocab_train_generate(chat_model, tmp_path):
     (["--anchors", "0,x"], "comma-separated integers"),
     (["--draft-vocab", "nope.json"], "spd vocab"),
     (["--model", ""], "--model required"),
+    (["--feature-layers", "1,2"], "--feature-layers is for --method eagle"),
+    (["--method", "eagle", "--feature-layers", "1,9"], "must be layer-output hidden-state indices in [1, 4]"),
 ])
 def test_cli_errors(chat_model, tmp_path, args, message):
     empty, chat = tmp_path / "empty.jsonl", tmp_path / "chat.jsonl"

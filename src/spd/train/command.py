@@ -68,6 +68,9 @@ def train(
     method: Optional[str] = typer.Option(None, help="pdm (SPD, default), or a baseline head: eagle (EAGLE-style) or ppsd; --resume keeps the run's."),
     ttt_steps: Optional[int] = typer.Option(None, min=1, help="eagle: unrolled chain steps per position in training "
                                             "(default 2; --resume keeps the run's)."),
+    feature_layers: Optional[str] = typer.Option(None, help="eagle: hidden-state indices fused into the head, e.g. "
+                                                 "8,15,29 (default: low / mid / high, 2, L/2, L-3); pick "
+                                                 "layers a shared --cache holds to reuse it."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Train a Pipeline Draft Module for a target and a stage split (SPEC section 4).
@@ -102,13 +105,16 @@ def train(
             method = (saved_method(out) if resume else None) or "pdm"
         if method not in ("pdm", "eagle", "ppsd"):
             raise ValueError(f"--method must be pdm, eagle or ppsd; got {method!r}")
+        if feature_layers is not None and method != "eagle":
+            raise ValueError(f"--feature-layers is for --method eagle (this run trains {method})")
         config = make_config(out, resume, progress=progress, **given)
         if method == "pdm":
             summary = run_train(config)
         else:  # the baselines' heads: same data, feature cache, schedule and loss
             from ..baselines.train_heads import train_head
 
-            summary = train_head(config, method, ttt_steps=ttt_steps)
+            summary = train_head(config, method, ttt_steps=ttt_steps,
+                                 feature_layers=_ints(feature_layers, "--feature-layers"))
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
         fail(str(err))
     if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary
