@@ -299,8 +299,8 @@ class _Run:
             from ..loading import parse_dtype
             from ..target import load_target
             target, tokenizer = load_target(cfg.model, parse_dtype(cfg.target_dtype), session.device)
-        fresh, state = pdm is None, None
-        if fresh:
+        build, state = pdm is None, None
+        if build:
             state = run_state(out, cfg) or None
             out.mkdir(parents=True, exist_ok=True)
             pdm = build_pdm(target, cfg)
@@ -316,7 +316,7 @@ class _Run:
             optimizer.load_state_dict(state["optimizer"])
         tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
         run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state or {})
-        if fresh and state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
+        if build and state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
             batch = loader(run.plan(0)[0])
             rms = float(batch.last.float().pow(2).mean().sqrt()) if cfg.init_from != "none" else 1.0
             scale_projections(pdm, batch.features[batch.score], rms, cfg.seed)
