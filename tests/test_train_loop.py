@@ -125,11 +125,10 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_evaluate_checkpoint_with_draft_vocabulary(tmp_path):
     """A PDM with a draft vocabulary is scored on its own ids (they travel in the checkpoint)."""
-    target = tiny_target(num_layers=4, seed=1)
+    cfg, target = resume_config(tmp_path, "with-vocab")
     vocab = tmp_path / "vocab.json"
     vocab.write_text(json.dumps({"ids": list(range(0, target.vocab_size, 2)), "vocab_size": target.vocab_size}))
-    cfg, target = resume_config(tmp_path, "with-vocab", draft_vocab=str(vocab))
-    trained = train(replace(cfg, max_steps=20), target=target)
+    trained = train(replace(cfg, draft_vocab=str(vocab), max_steps=20), target=target)
     cfg, target = resume_config(tmp_path, "scratch")
     again = evaluate_checkpoint(cfg, tmp_path / "with-vocab", target=target)
     assert again["tokens"] == trained.eval["tokens"]
