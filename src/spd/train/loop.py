@@ -292,8 +292,8 @@ class _Run:
 
     @classmethod
     def open(cls, cfg: TrainConfig, session: Session, target=None, tokenizer=None, pdm=None) -> "_Run":
-        """Load the target, build or resume the PDM (or take `pdm`, fp32, as it is: scoring a trained
-        one), prepare the data and the optimizer."""
+        """Load the target, build or resume the PDM and its optimizer, and prepare the data; or take
+        `pdm` (fp32) as it is, to score a trained one: then no optimizer, and the PDM is left untouched."""
         out = Path(cfg.out)
         if target is None:
             from ..loading import parse_dtype
@@ -306,14 +306,15 @@ class _Run:
             pdm = build_pdm(target, cfg)
         if state is not None:
             pdm.load_state_dict(load_pdm(out, target, list(pdm.config.stage_layers)).float().state_dict())
-        layout = pdm_layout(pdm, cfg.layout)
-        for k, projection in enumerate(pdm.projections):  # a type no depth reaches is never trained
-            projection.requires_grad_(k in layout.block_types)
-        trained = [p for p in pdm.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                      fused=True)  # one kernel per step: the update is not free at 10M+ params
-        if state is not None:
-            optimizer.load_state_dict(state["optimizer"])
+        layout, optimizer = pdm_layout(pdm, cfg.layout), None
+        if build:
+            for k, projection in enumerate(pdm.projections):  # a type no depth reaches is never trained
+                projection.requires_grad_(k in layout.block_types)
+            trained = [p for p in pdm.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                          fused=True)  # one kernel per step: the update is not free at 10M+ params
+            if state is not None:
+                optimizer.load_state_dict(state["optimizer"])
         tokens, loader = prepare_data(cfg, target, tokenizer, pdm.anchors, session.rank)
         run = cls(cfg, session, target, pdm, layout, optimizer, tokens, loader, state or {})
         if build and state is None and cfg.proj_init == "scaled":  # fresh weights: fit them to the data's scales
@@ -327,7 +328,8 @@ class _Run:
         return run
 
     def __init__(self, cfg, session, target, pdm, layout, optimizer, tokens, loader, state: dict):
-        """`state`: the saved training state of a resumed run, {} for a fresh one."""
+        """`state`: the saved training state of a resumed run, {} for a fresh one; `optimizer`: None
+        for a run that only scores."""
         self.cfg, self.session, self.target, self.pdm, self.layout = cfg, session, target, pdm, layout
         self.optimizer, self.tokens, self.loader, self.step = optimizer, tokens, loader, state.get("step", 0)
         self.resumed = {k: state[k] for k in ("tokens", "seconds") if k in state}  # the run's earlier parts
