@@ -163,7 +163,7 @@ def score(records: np.ndarray) -> None:
             for s in [np.log(np.maximum(q_ret[m], 0) + 1e-6) - a * np.log(p[m])]]),
     }
     print(f"{len(records):,} positions, {test.sum():,} scored (second half); PDM alone right "
-          f"{pdm_ok[test].mean():.4f}; where retrieval and the PDM disagree ({(disagree & test).sum():,}): "
+          f"{pdm_ok[test].mean():.4f}, the corpus alone {corpus_ok[test].mean():.4f}; where retrieval and the PDM disagree ({(disagree & test).sum():,}): "
           f"PDM {pdm_ok[disagree & test].sum():,}, retrieval {ret_ok[disagree & test].sum():,}, "
           f"either {(pdm_ok | ret_ok)[disagree & test].sum():,}")
     share = col["corpus_count"] / np.maximum(col["corpus_total"], 1)
