@@ -48,6 +48,30 @@ def test_replay_matches_engine_for_post_step_drafters(n, family):
     assert mixed >= 1
 
 
+def test_replay_matches_engine_for_the_adaptive_hybrid():
+    """The hybrid that follows each sequence's lead settles its disagreements at the same cycles in
+    the replay as in the engine (rejections included), so the counts per source agree."""
+    from spd.retrieval import Gate, HybridDrafter
+    target = Target.from_hf(tiny_model("llama", num_layers=4, vocab=6, seed=2))
+    stages = split_layers(4, 2)
+    pdm = PDM.create(target, [len(s) for s in stages], num_layers=1, seed=5).eval()
+    gate = Gate(min_len=1, max_len=3, threshold=[0.3, 0.4, 0.5])
+    moved = 0
+    for prompt in ([1, 2, 3], [5, 0, 4, 4, 1, 2], [3]):
+        continuation, _ = ar_generate(target, prompt, max_new_tokens=60, eos_token_ids=())
+        stats = {}
+        for adapt in (0.0, 1.0):
+            drafter = HybridDrafter(pdm, Gate(**{**gate.__dict__, "adapt": adapt}))
+            real = generate(target, drafter, prompt, stages, max_new_tokens=60, eos_token_ids=()).stats
+            drafter = HybridDrafter(pdm, Gate(**{**gate.__dict__, "adapt": adapt}))
+            replayed = replay(target, drafter, prompt, continuation, 2)
+            assert (replayed.cycles, replayed.accepted, replayed.rejected, replayed.drafts_by_source) == \
+                   (real.cycles, real.accepted, real.rejected, real.drafts_by_source)
+            stats[adapt] = real.drafts_by_source
+        moved += stats[0.0] != stats[1.0]
+    assert moved >= 1   # the lead changed some decisions
+
+
 EAGLE_FIELDS = ("rounds", "new_tokens", "verified", "accepted", "draft_forwards", "draft_tokens",
                 "verified_by_position", "accepted_by_position", "drafts_by_source", "verify_sizes")
 

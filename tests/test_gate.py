@@ -62,12 +62,42 @@ def test_gate_records_follow_the_index_and_the_pdm():
     gen = torch.Generator().manual_seed(0)
     prompt, answer = torch.randint(0, 16, (5,), generator=gen).tolist(), torch.randint(0, 16, (40,), generator=gen).tolist()
     records = gate_records(target, pdm, prompt, answer)
-    index, sequence, expected = SuffixIndex(8), prompt + answer, 0
+    index, sequence, drafted_at = SuffixIndex(8), prompt + answer, []
     for t in range(len(prompt), len(sequence) - 1):
         index.sync(sequence[:t + 1], t)
-        expected += index.lookup()[0] is not None
-    assert len(records) == expected > 10
+        if index.lookup()[0] is not None:
+            drafted_at.append(t + 1)
+    assert len(records) == len(drafted_at) > 10
     assert all(not (r.agree and r.retrieval_right != r.pdm_right) for r in records)
+    # each record's lead: over the earlier disagreements already verified (behind the n=2 pipeline)
+    for i, (record, position) in enumerate(zip(records, drafted_at)):
+        first_inflight = max(len(prompt), position - 2)
+        earlier = [int(r.retrieval_right) - int(r.pdm_right) for r, at in zip(records[:i], drafted_at)
+                   if not r.agree and at < first_inflight]
+        assert record.lead == pytest.approx(sum(earlier) / len(earlier) if earlier else 0.0)
+    assert any(r.lead != 0 for r in records)
+
+
+def test_the_gate_learns_a_weight_on_the_sequences_lead_where_the_lead_tells_who_is_right():
+    """Retrieval is right where it led earlier in the sequence, the PDM where it did, and the PDM's
+    top-1 probability says nothing: the fit puts a weight on the lead and gets more drafts right."""
+    rng = random.Random(0)
+    records = []
+    for _ in range(600):
+        lead = rng.choice([-0.8, -0.3, 0.3, 0.8])
+        retrieval_right = rng.random() < (0.9 if lead > 0 else 0.1)
+        records.append(GateRecord(rng.choice([1, 2]), round(rng.random(), 3), retrieval_right, not retrieval_right,
+                                  lead=lead))
+    plain, adaptive = fit_gate(records, max_len=2), fit_gate(records, max_len=2, adapt=None)
+    assert plain.adapt == 0 and adaptive.adapt > 0
+
+    def right(gate):
+        return sum(r.retrieval_right if gate.takes_retrieval(r.match_len, r.pdm_top1, lead=r.lead) else r.pdm_right
+                   for r in records)
+    assert right(adaptive) > right(plain) + 0.2 * len(records)
+    # a length it never hands to retrieval stays so whatever the lead; one it always does skips the PDM
+    assert not Gate(min_len=1, max_len=1, threshold=[-0.51], adapt=0.5).takes_retrieval(1, 0.0, lead=1.0)
+    assert Gate(min_len=1, max_len=1, threshold=[1.51], adapt=0.5).skips_pdm(1, lead=-1.0)
 
 
 def test_a_length_whose_retrievals_were_all_wrong_leaves_a_retrieved_candidate_its_pdm_score():
@@ -130,7 +160,8 @@ def test_the_hybrid_drafter_gates_with_the_sampled_thresholds_when_sampling():
 
 def test_spd_gate_fits_the_sampled_thresholds_on_own_answers_and_refits_them_alone(tmp_path):
     """End to end on a tiny model: the sampled thresholds are saved beside the PDM; --sampled-only
-    keeps the greedy ones of the saved gate; own answers are the target's seeded samples."""
+    keeps the greedy ones of the saved gate and --temperature 0 its sampled ones; own answers are
+    the target's seeded samples."""
     import json
 
     from typer.testing import CliRunner
@@ -165,6 +196,10 @@ def test_spd_gate_fits_the_sampled_thresholds_on_own_answers_and_refits_them_alo
     refit = Gate.load(tmp_path / "pdm")
     assert (refit.threshold, refit.fitted_on) == (kept.threshold, "by hand")
     assert refit.sampled_threshold == saved.sampled_threshold   # the same seeded own answers
+    greedy = CliRunner().invoke(app, args + ["--temperature", "0"])
+    assert greedy.exit_code == 0, greedy.output
+    assert Gate.load(tmp_path / "pdm").sampled_threshold == saved.sampled_threshold   # greedy only: kept
+    assert Gate.load(tmp_path / "pdm").fitted_on != "by hand"
     prompts = [[1, 2, 3], [4, 5]]
     answers = own_answers(target, prompts, 1.0, 8, seed=7)
     assert answers[1] == ar_generate(target, [4, 5], SamplingParams(temperature=1.0, seed=8), 8)[0]

@@ -73,7 +73,8 @@ def test_retrieval_and_hybrid_greedy_equal_ar(family):
         stages = split_layers(6, n)
         pdm = PDM.create(target, [len(s) for s in stages], num_layers=1, seed=1).eval()
         gates = [Gate(), Gate(min_len=1, max_len=3, threshold=[1.01, 1.01, 1.01]),   # always retrieval
-                 Gate(min_len=1, max_len=2, threshold=[0.6, 0.9])]
+                 Gate(min_len=1, max_len=2, threshold=[0.6, 0.9]),
+                 Gate(min_len=1, max_len=2, threshold=[0.4, 0.6], adapt=1.0)]   # follows the sequence's lead
         for prompt in PROMPTS:
             reference, _ = ar_generate(target, prompt, max_new_tokens=NEW, eos_token_ids=())
             kinds = [RetrievalDrafter()] + [HybridDrafter(pdm, g) for g in gates]
@@ -85,3 +86,16 @@ def test_retrieval_and_hybrid_greedy_equal_ar(family):
                 by_source = s.drafts_by_source
                 assert sum(v for v, _ in by_source.values()) == NEW - 1
                 assert sum(a for _, a in by_source.values()) == s.accepted
+
+
+def test_the_hybrids_lead_counts_each_position_once_verified_and_drops_what_a_rejection_dropped():
+    from types import SimpleNamespace as State
+    target = Target.from_hf(tiny_model("llama", num_layers=2, seed=0))
+    drafter = HybridDrafter(PDM.create(target, [1, 1], num_layers=1, seed=0), Gate(adapt=0.5))
+    drafter.disputed = {5: (7, 8), 6: (9, 1), 7: (2, 3)}   # position -> (retrieved, PDM top-1)
+    tokens = [0] * 5 + [7, 1, 4]                           # 5: retrieval right, 6: the PDM, 7 not verified yet
+    assert drafter.lead(State(tokens=tokens, first_inflight=5)) == 0.0 and len(drafter.disputed) == 3
+    assert drafter.lead(State(tokens=tokens, first_inflight=6)) == 1.0     # position 5 verified
+    assert drafter.lead(State(tokens=tokens, first_inflight=7)) == 0.0     # and 6: one each
+    assert drafter.lead(State(tokens=tokens[:7], first_inflight=7)) == 0.0   # 7 is drafted again: dropped
+    assert drafter.disputed == {} and drafter.disputes == 2

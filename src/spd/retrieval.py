@@ -122,6 +122,13 @@ class Gate:
     retrieved token of match length L was right there where the PDM's top-1 was another token:
     in a token tree the retrieved candidate scores at least that (`prior`).
 
+    Greedy decoding can also adapt to the sequence (`adapt` = w > 0): where retrieval and the PDM's
+    top-1 disagreed earlier in this sequence and the verified token is known, lead = (retrieval
+    right - PDM right) / disagreements, in [-1, 1], and the threshold moves by w * lead. Code and
+    text being reworked make retrieval right more often than the open chat a gate is fitted on.
+    A length the fit never hands to retrieval then holds a threshold below -w, one it always does
+    above 1 + w.
+
     Sampling (T > 0) has its own thresholds (`sampled_*`, fitted at `sampled_temperature`): there a
     retrieved token, a point mass, is accepted with the target's probability of it, p(token), and
     the PDM's sampled draft with sum_x min(p, q), so retrieval pays off less often than greedy
@@ -137,6 +144,7 @@ class Gate:
     sampled_min_len: int | None = None
     sampled_threshold: list[float] | None = None
     sampled_temperature: float | None = None
+    adapt: float = 0.0
 
     def __post_init__(self):
         if not 1 <= self.min_len <= self.max_len or len(self.threshold) != self.max_len:
@@ -148,6 +156,8 @@ class Gate:
                 self.sampled_threshold is not None and len(self.sampled_threshold) != self.max_len):
             raise ValueError(f"a gate's sampled thresholds need sampled_min_len and max_len={self.max_len} "
                              f"values; got {self.sampled_min_len}, {self.sampled_threshold}")
+        if not 0 <= self.adapt <= 1:
+            raise ValueError(f"gate adapt must be in [0, 1]; got {self.adapt}")
 
     def prior(self, match_len: int) -> float:
         """The least score of a retrieved candidate in a token tree, by its match length."""
@@ -155,18 +165,21 @@ class Gate:
             return retrieval_prior(match_len)
         return self.accuracy[min(match_len, self.max_len) - 1]
 
-    def _cut(self, match_len: int, sampling: bool) -> float:
-        """The threshold for this match length (0 below the minimum length)."""
+    def _cut(self, match_len: int, sampling: bool, lead: float) -> float:
+        """The threshold for this match length, moved by the sequence's lead when greedy (never
+        retrieval below the minimum length)."""
         sampled = sampling and self.sampled_threshold is not None
         min_len, thresholds = ((self.sampled_min_len, self.sampled_threshold) if sampled
                                else (self.min_len, self.threshold))
-        return thresholds[min(match_len, self.max_len) - 1] if match_len >= min_len else 0.0
+        if match_len < min_len:
+            return 0.0
+        return thresholds[min(match_len, self.max_len) - 1] + (0.0 if sampling else self.adapt * lead)
 
-    def skips_pdm(self, match_len: int, sampling: bool = False) -> bool:
-        return self._cut(match_len, sampling) > 1.0
+    def skips_pdm(self, match_len: int, sampling: bool = False, lead: float = 0.0) -> bool:
+        return self._cut(match_len, sampling, lead) > 1.0
 
-    def takes_retrieval(self, match_len: int, pdm_top1: float, sampling: bool = False) -> bool:
-        return pdm_top1 < self._cut(match_len, sampling)
+    def takes_retrieval(self, match_len: int, pdm_top1: float, sampling: bool = False, lead: float = 0.0) -> bool:
+        return pdm_top1 < self._cut(match_len, sampling, lead)
 
     def save(self, folder) -> Path:
         path = Path(folder) / GATE_FILE
@@ -226,26 +239,42 @@ class HybridDrafter:
         self.pdm_drafter = PDMDrafter(pdm)
         self.anchors = self.pdm_drafter.anchors
         self.gate = gate or Gate()
-        self.index = SuffixIndex(self.gate.max_len)
+        self.begin(0)
         self.last_source = "none"
 
     def begin(self, prompt_len: int) -> None:
         self.pdm_drafter.begin(prompt_len)
         self.index = SuffixIndex(self.gate.max_len)
+        self.disputed: dict[int, tuple[int, int]] = {}   # position -> (retrieved, PDM top-1), not yet verified
+        self.disputes, self.retrieval_lead = 0, 0      # settled ones, and (retrieval right - PDM right) there
+
+    def lead(self, state) -> float:
+        """Retrieval's lead over the PDM where they disagreed on this sequence's finished positions."""
+        position = len(state.tokens)   # the one being drafted: later entries were dropped by a rejection
+        for p in [p for p in self.disputed if p >= position or p < state.first_inflight]:
+            retrieved, top1 = self.disputed.pop(p)
+            if p < position:
+                self.disputes += 1
+                self.retrieval_lead += (retrieved == state.tokens[p]) - (top1 == state.tokens[p])
+        return self.retrieval_lead / self.disputes if self.disputes else 0.0
 
     def draft(self, state, params, gen):
         self.index.sync(state.tokens, state.first_inflight)
         retrieved, match_len = self.index.lookup()
         sampling = not params.greedy
-        if retrieved is not None and self.gate.skips_pdm(match_len, sampling):
+        adapting = self.gate.adapt > 0 and not sampling
+        lead = self.lead(state) if adapting else 0.0
+        if retrieved is not None and self.gate.skips_pdm(match_len, sampling, lead):
             self.last_source = "retrieval"   # the PDM catches up on these rows at its next forward
             return retrieved, None
         logits = self.pdm_drafter.logits(state)
         top1_p, top1 = torch.softmax(logits, -1).max(-1)
-        if (retrieved is not None and retrieved != int(top1)
-                and self.gate.takes_retrieval(match_len, float(top1_p), sampling)):
-            self.last_source = "retrieval"
-            return retrieved, None
+        if retrieved is not None and retrieved != int(top1):
+            if adapting:
+                self.disputed[len(state.tokens)] = (retrieved, int(top1))
+            if self.gate.takes_retrieval(match_len, float(top1_p), sampling, lead):
+                self.last_source = "retrieval"
+                return retrieved, None
         self.last_source = "both" if retrieved == int(top1) else "pdm"
         if params.greedy:
             return int(top1), None

@@ -12,6 +12,10 @@ and the PDM drafts each position from the saturated pipeline's features, as when
 `spd gate --model M --pdm FOLDER --data chat.jsonl` writes the fitted gate beside the PDM
 (`retrieval_gate.json`); checkpoints without one use `Gate()`'s documented defaults.
 
+Greedy decoding can also follow each sequence (`Gate.adapt`): every record carries retrieval's lead
+over the PDM at the conversation's earlier disagreements already verified behind the pipeline, and
+`spd gate` fits the weight on it (ADAPT_GRID) with the thresholds.
+
 Sampling gets thresholds of its own, fitted the same way at `--temperature` (default 1), with
 expected acceptances in place of right drafts: p(retrieved token) for the retrieved point mass,
 sum_x min(p, q) for the PDM's sampled draft (p, q processed at that temperature, as verification
@@ -23,7 +27,7 @@ samples do, so a fit on them takes retrieval too often when sampling.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +48,10 @@ class GateRecord:
     agree: bool = False   # retrieval == the PDM's top-1 (no choice to make: the fit skips these)
     retrieval_p: float = 0.0   # sampling: the chance the retrieved token is accepted, p(token)
     pdm_overlap: float = 0.0   # sampling: the chance the PDM's sampled draft is, sum_x min(p, q)
+    lead: float = 0.0          # retrieval's lead over the PDM at the conversation's finished disagreements
+
+
+ADAPT_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)   # the greedy gate's adaptation weights `spd gate` tries
 
 
 @torch.inference_mode()
@@ -67,9 +75,11 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
     p = probs(logits, params) if temperature > 0 else None   # (S, V) the target's law after each prefix
     drafter, index = PDMDrafter(pdm), SuffixIndex(max_len)
     drafter.begin(len(prompt_ids))
-    records = []
+    records, disputes, settled, lead = [], [], 0, 0   # disagreements: (position, retrieval right - PDM right)
     for t in range(len(prompt_ids), len(sequence) - 1):
         state = DraftState(sequence[:t + 1], max(len(prompt_ids), t - n + 1), n, features)
+        while settled < len(disputes) and disputes[settled][0] < state.first_inflight:   # verified by now
+            lead, settled = lead + disputes[settled][1], settled + 1
         index.sync(state.tokens, t)
         retrieved, length = index.lookup()
         if retrieved is None:
@@ -77,7 +87,9 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
         pdm_logits = drafter.logits(state)
         top1_p, top1 = torch.softmax(pdm_logits, -1).max(-1)
         record = GateRecord(length, float(top1_p), retrieved == target_next[t], int(top1) == target_next[t],
-                            agree=retrieved == int(top1))
+                            agree=retrieved == int(top1), lead=lead / settled if settled else 0.0)
+        if not record.agree:
+            disputes.append((t + 1, int(record.retrieval_right) - int(record.pdm_right)))
         if p is not None:
             record.retrieval_p = float(p[t, retrieved])
             record.pdm_overlap = float(torch.minimum(p[t], probs(pdm_logits, params)).sum())
@@ -86,16 +98,20 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
 
 
 def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, fitted_on: str = "",
-             temperature: float = 0.0, sampled_records: list[GateRecord] | None = None) -> Gate:
+             temperature: float = 0.0, sampled_records: list[GateRecord] | None = None,
+             adapt: float | None = 0.0) -> Gate:
     """Per match length, where retrieval and the PDM's top-1 disagree: the threshold on the PDM's
     top-1 probability that maximises right drafts, and how often the retrieved token was right
     (the score a token tree gives a retrieved candidate beside the PDM's own); with `temperature`
     > 0 also the sampled thresholds, maximising the expected accepted drafts (over
     `sampled_records` when given: positions of the target's own sampled answers).
 
+    `adapt`: the greedy thresholds' weight on each sequence's lead (`Gate.adapt`); None fits it too,
+    the weight of ADAPT_GRID whose thresholds get the most drafts right (ties: the smaller).
+
     Lengths with fewer than `min_count` records take the threshold (accuracy) of the next shorter
     length (longer matches are at least as trustworthy); retrieval needs a match of at least the
-    shortest length whose threshold is above 0."""
+    shortest length whose threshold is above 0 (above -adapt when adapting)."""
     by_length = _disagreements(records, max_len)
     accuracy = []
     for length, sel in enumerate(by_length, start=1):
@@ -103,7 +119,15 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
             accuracy.append(accuracy[-1] if accuracy else retrieval_prior(length))
         else:
             accuracy.append(round(sum(r.retrieval_right for r in sel) / len(sel), 4))
-    min_len, thresholds = _thresholds(by_length, min_count, lambda r: r.retrieval_right, lambda r: r.pdm_right)
+    fits = []
+    for weight in ADAPT_GRID if adapt is None else (adapt,):
+        shifted = [sorted((replace(r, pdm_top1=r.pdm_top1 - weight * r.lead) for r in sel), key=lambda r: r.pdm_top1)
+                   for sel in by_length]
+        min_len, thresholds = _thresholds(shifted, min_count, lambda r: r.retrieval_right, lambda r: r.pdm_right, weight)
+        right = sum(r.retrieval_right if r.pdm_top1 < thresholds[k] and k + 1 >= min_len else r.pdm_right
+                    for k, sel in enumerate(shifted) for r in sel)
+        fits.append((right, -weight, min_len, thresholds))
+    _, weight, min_len, thresholds = max(fits)
     sampled = {}
     if temperature > 0:
         sampled_by_length = by_length if sampled_records is None else _disagreements(sampled_records, max_len)
@@ -112,7 +136,7 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
         sampled = dict(sampled_min_len=sampled_min_len, sampled_threshold=sampled_thresholds,
                        sampled_temperature=temperature)
     return Gate(min_len=min_len, max_len=max_len, threshold=thresholds, fitted_on=fitted_on, accuracy=accuracy,
-                **sampled)
+                adapt=-weight, **sampled)
 
 
 def _disagreements(records: list[GateRecord], max_len: int) -> list[list[GateRecord]]:
@@ -131,14 +155,16 @@ def own_answers(target, prompts: list[list[int]], temperature: float, max_new_to
             for i, prompt in enumerate(tqdm(prompts, desc=f"sampling own answers at T={temperature:g}"))]
 
 
-def _thresholds(by_length: list[list[GateRecord]], min_count: int, retrieval_value, pdm_value
+def _thresholds(by_length: list[list[GateRecord]], min_count: int, retrieval_value, pdm_value, shift: float = 0.0
                 ) -> tuple[int, list[float]]:
     """(min_len, a threshold per length): retrieval below the threshold, the PDM above, chosen to
-    maximise the summed value of the drafts taken (records sorted by the PDM's top-1)."""
+    maximise the summed value of the drafts taken (records sorted by the PDM's top-1, which is
+    lowered by up to `shift` when adapting: "never" is then below -shift, "always" above 1 + shift)."""
+    never, always = (-round(shift + 0.01, 4) if shift else 0.0), round(1.01 + shift, 4)
     thresholds = []
     for sel in by_length:
         if len(sel) < min_count:
-            thresholds.append(thresholds[-1] if thresholds else 0.0)
+            thresholds.append(thresholds[-1] if thresholds else never)
             continue
         # retrieval for the first i records (lowest p), the PDM for the rest: the value for each i
         value = best = sum(pdm_value(r) for r in sel)
@@ -148,14 +174,14 @@ def _thresholds(by_length: list[list[GateRecord]], min_count: int, retrieval_val
             if value > best + 1e-9 and (i == len(sel) or sel[i].pdm_top1 > r.pdm_top1):
                 best, best_i = value, i
         if best_i == 0:
-            thresholds.append(0.0)
+            thresholds.append(never)
         elif best_i == len(sel):
-            thresholds.append(1.01)   # retrieval whatever the PDM says: skip its forward
+            thresholds.append(always)   # retrieval whatever the PDM says: skip its forward
         else:
             low, high = sel[best_i - 1].pdm_top1, sel[best_i].pdm_top1
             cut = round((low + high) / 2, 4)
             thresholds.append(cut if low < cut <= high else (low + high) / 2)   # rounding must not cross a record
-    min_len = next((i + 1 for i, t in enumerate(thresholds) if t > 0), len(thresholds))
+    min_len = next((i + 1 for i, t in enumerate(thresholds) if t > never), len(thresholds))
     return min_len, thresholds
 
 
@@ -203,10 +229,14 @@ def gate(
     max_len: int = typer.Option(8, min=1, help="Longest match length the gate tells apart."),
     min_count: int = typer.Option(20, min=1, help="Fewest disagreements to fit a length on its own."),
     temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature of the sampled thresholds "
-                                      "(used at every T > 0); 0 fits the greedy ones only."),
+                                      "(used at every T > 0); 0 fits the greedy ones only, keeping the sampled "
+                                      "ones of the gate already beside each PDM."),
     own_answers_tokens: int = typer.Option(256, "--own-answers", min=0, help="Fit the sampled thresholds on the "
                                            "target's own answers to the training prompts, sampled at "
                                            "--temperature, up to this many tokens each (0: the dataset's answers)."),
+    adapt: Optional[float] = typer.Option(None, min=0.0, max=1.0, help="Weight of each sequence's retrieval lead "
+                                          "on the greedy thresholds (0: off); by default fitted from "
+                                          + ", ".join(f"{w:g}" for w in ADAPT_GRID) + "."),
     sampled_only: bool = typer.Option(False, help="Refit only the sampled thresholds, keeping the greedy ones "
                                       "of the gate already beside each PDM."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
@@ -216,8 +246,6 @@ def gate(
     beside the PDM (retrieval_gate.json). Along each conversation the target's own next token is
     the truth; prints the gate and how many drafts it gets right where retrieval and PDM disagree.
     Sampling gets thresholds of its own, fitted at --temperature on expected acceptance."""
-    from dataclasses import replace
-
     from ..checkpoint import load_pdm
     from ..retrieval import Gate
     from ..target import load_target
@@ -252,14 +280,18 @@ def gate(
         else:
             sampled = replayed(sampled_pairs, temperature)
         disagree = [r for r in records if not r.agree]
-        fitted = fit_gate(records, max_len, min_count, temperature=temperature, sampled_records=sampled,
+        fitted = fit_gate(records, max_len, min_count, temperature=temperature, sampled_records=sampled, adapt=adapt,
                           fitted_on=f"{source}, {len(records)} matches, {len(disagree)} disagreements)")
+        saved = Gate.load(folder)
         if sampled_only:
-            fitted = replace(Gate.load(folder), sampled_min_len=fitted.sampled_min_len,
+            fitted = replace(saved, sampled_min_len=fitted.sampled_min_len,
                              sampled_threshold=fitted.sampled_threshold, sampled_temperature=temperature)
+        elif temperature <= 0 and saved.max_len == max_len:   # greedy only: the sampled thresholds stay
+            fitted = replace(fitted, sampled_min_len=saved.sampled_min_len, sampled_threshold=saved.sampled_threshold,
+                             sampled_temperature=saved.sampled_temperature)
         typer.echo(f"{folder}: {json.dumps(fitted.__dict__)}")
         if disagree:
-            gated = sum(r.retrieval_right if fitted.takes_retrieval(r.match_len, r.pdm_top1) else r.pdm_right
+            gated = sum(r.retrieval_right if fitted.takes_retrieval(r.match_len, r.pdm_top1, lead=r.lead) else r.pdm_right
                         for r in disagree)
             typer.echo(f"  where retrieval and the PDM disagree ({len(disagree)} drafts): PDM right "
                        f"{sum(r.pdm_right for r in disagree)}, retrieval right "
