@@ -126,8 +126,8 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
         min_len, thresholds = _thresholds(shifted, min_count, lambda r: r.retrieval_right, lambda r: r.pdm_right, weight)
         right = sum(r.retrieval_right if r.pdm_top1 < thresholds[k] and k + 1 >= min_len else r.pdm_right
                     for k, sel in enumerate(shifted) for r in sel)
-        fits.append((right, -weight, min_len, thresholds))
-    _, weight, min_len, thresholds = max(fits)
+        fits.append((right, weight, min_len, thresholds))
+    _, weight, min_len, thresholds = max(fits, key=lambda fit: (fit[0], -fit[1]))   # ties: the smaller weight
     sampled = {}
     if temperature > 0:
         sampled_by_length = by_length if sampled_records is None else _disagreements(sampled_records, max_len)
@@ -136,7 +136,7 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
         sampled = dict(sampled_min_len=sampled_min_len, sampled_threshold=sampled_thresholds,
                        sampled_temperature=temperature)
     return Gate(min_len=min_len, max_len=max_len, threshold=thresholds, fitted_on=fitted_on, accuracy=accuracy,
-                adapt=-weight, **sampled)
+                adapt=weight, **sampled)
 
 
 def _disagreements(records: list[GateRecord], max_len: int) -> list[list[GateRecord]]:
