@@ -92,10 +92,14 @@ def test_the_hybrids_lead_counts_each_position_once_verified_and_drops_what_a_re
     from types import SimpleNamespace as State
     target = Target.from_hf(tiny_model("llama", num_layers=2, seed=0))
     drafter = HybridDrafter(PDM.create(target, [1, 1], num_layers=1, seed=0), Gate(adapt=0.5))
-    drafter.disputed = {5: (7, 8), 6: (9, 1), 7: (2, 3)}   # position -> (retrieved, PDM top-1)
+    disputes = drafter.disputes
+    disputes.open = {5: (7, 8), 6: (9, 1), 7: (2, 3)}      # position -> (retrieved, PDM top-1)
     tokens = [0] * 5 + [7, 1, 4]                           # 5: retrieval right, 6: the PDM, 7 not verified yet
-    assert drafter.lead(State(tokens=tokens, first_inflight=5)) == 0.0 and len(drafter.disputed) == 3
-    assert drafter.lead(State(tokens=tokens, first_inflight=6)) == 1.0     # position 5 verified
-    assert drafter.lead(State(tokens=tokens, first_inflight=7)) == 0.0     # and 6: one each
-    assert drafter.lead(State(tokens=tokens[:7], first_inflight=7)) == 0.0   # 7 is drafted again: dropped
-    assert drafter.disputed == {} and drafter.disputes == 2
+
+    def lead(state):
+        return disputes.lead(len(state.tokens), state.first_inflight, state.tokens.__getitem__)
+    assert lead(State(tokens=tokens, first_inflight=5)) == 0.0 and len(disputes.open) == 3
+    assert lead(State(tokens=tokens, first_inflight=6)) == 1.0     # position 5 verified
+    assert lead(State(tokens=tokens, first_inflight=7)) == 0.0     # and 6: one each
+    assert lead(State(tokens=tokens[:7], first_inflight=7)) == 0.0   # 7 is drafted again: dropped
+    assert disputes.open == {} and disputes.settled == 2

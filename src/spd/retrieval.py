@@ -200,6 +200,29 @@ class Gate:
                              f"default gate, or refit it with `spd gate`") from None
 
 
+class Disputes:
+    """Where retrieval and the PDM's top-1 disagreed along one sequence, and retrieval's lead over the
+    PDM at those already verified: (retrieval right - PDM right) / settled disputes, in [-1, 1]."""
+
+    def __init__(self):
+        self.open: dict[int, tuple[int, int]] = {}   # position -> (retrieved, PDM top-1), not yet verified
+        self.settled, self.retrieval_lead = 0, 0
+
+    def add(self, position: int, retrieved: int, top1: int) -> None:
+        self.open[position] = (retrieved, top1)
+
+    def lead(self, drafting: int, first_inflight: int, verified) -> float:
+        """The lead when drafting position `drafting`: disputes before `first_inflight` are settled
+        against `verified(position)`, those at `drafting` or later were dropped by a rejection."""
+        for p in [p for p in self.open if p >= drafting or p < first_inflight]:
+            retrieved, top1 = self.open.pop(p)
+            if p < drafting:
+                token = verified(p)
+                self.settled += 1
+                self.retrieval_lead += (retrieved == token) - (top1 == token)
+        return self.retrieval_lead / self.settled if self.settled else 0.0
+
+
 class RetrievalDrafter:
     """Drafts the retrieved token; with no match, the newest token again (a guess, rarely right)."""
 
@@ -245,25 +268,14 @@ class HybridDrafter:
     def begin(self, prompt_len: int) -> None:
         self.pdm_drafter.begin(prompt_len)
         self.index = SuffixIndex(self.gate.max_len)
-        self.disputed: dict[int, tuple[int, int]] = {}   # position -> (retrieved, PDM top-1), not yet verified
-        self.disputes, self.retrieval_lead = 0, 0      # settled ones, and (retrieval right - PDM right) there
-
-    def lead(self, state) -> float:
-        """Retrieval's lead over the PDM where they disagreed on this sequence's finished positions."""
-        position = len(state.tokens)   # the one being drafted: later entries were dropped by a rejection
-        for p in [p for p in self.disputed if p >= position or p < state.first_inflight]:
-            retrieved, top1 = self.disputed.pop(p)
-            if p < position:
-                self.disputes += 1
-                self.retrieval_lead += (retrieved == state.tokens[p]) - (top1 == state.tokens[p])
-        return self.retrieval_lead / self.disputes if self.disputes else 0.0
+        self.disputes = Disputes()
 
     def draft(self, state, params, gen):
         self.index.sync(state.tokens, state.first_inflight)
         retrieved, match_len = self.index.lookup()
         sampling = not params.greedy
         adapting = self.gate.adapt > 0 and not sampling
-        lead = self.lead(state) if adapting else 0.0
+        lead = self.disputes.lead(len(state.tokens), state.first_inflight, state.tokens.__getitem__) if adapting else 0.0
         if retrieved is not None and self.gate.skips_pdm(match_len, sampling, lead):
             self.last_source = "retrieval"   # the PDM catches up on these rows at its next forward
             return retrieved, None
@@ -271,7 +283,7 @@ class HybridDrafter:
         top1_p, top1 = torch.softmax(logits, -1).max(-1)
         if retrieved is not None and retrieved != int(top1):
             if adapting:
-                self.disputed[len(state.tokens)] = (retrieved, int(top1))
+                self.disputes.add(len(state.tokens), retrieved, int(top1))
             if self.gate.takes_retrieval(match_len, float(top1_p), sampling, lead):
                 self.last_source = "retrieval"
                 return retrieved, None

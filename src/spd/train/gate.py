@@ -36,7 +36,7 @@ import typer
 from tqdm import tqdm
 
 from ..console import fail
-from ..retrieval import Gate, SuffixIndex, retrieval_prior
+from ..retrieval import Disputes, Gate, SuffixIndex, retrieval_prior
 
 
 @dataclass
@@ -75,11 +75,9 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
     p = probs(logits, params) if temperature > 0 else None   # (S, V) the target's law after each prefix
     drafter, index = PDMDrafter(pdm), SuffixIndex(max_len)
     drafter.begin(len(prompt_ids))
-    records, disputes, settled, lead = [], [], 0, 0   # disagreements: (position, retrieval right - PDM right)
+    records, disputes = [], Disputes()   # the hybrid's own bookkeeping: the same lead as when decoding
     for t in range(len(prompt_ids), len(sequence) - 1):
         state = DraftState(sequence[:t + 1], max(len(prompt_ids), t - n + 1), n, features)
-        while settled < len(disputes) and disputes[settled][0] < state.first_inflight:   # verified by now
-            lead, settled = lead + disputes[settled][1], settled + 1
         index.sync(state.tokens, t)
         retrieved, length = index.lookup()
         if retrieved is None:
@@ -87,9 +85,10 @@ def gate_records(target, pdm, prompt_ids: list[int], answer_ids: list[int], max_
         pdm_logits = drafter.logits(state)
         top1_p, top1 = torch.softmax(pdm_logits, -1).max(-1)
         record = GateRecord(length, float(top1_p), retrieved == target_next[t], int(top1) == target_next[t],
-                            agree=retrieved == int(top1), lead=lead / settled if settled else 0.0)
+                            agree=retrieved == int(top1),
+                            lead=disputes.lead(t + 1, state.first_inflight, lambda p: target_next[p - 1]))
         if not record.agree:
-            disputes.append((t + 1, int(record.retrieval_right) - int(record.pdm_right)))
+            disputes.add(t + 1, retrieved, int(top1))
         if p is not None:
             record.retrieval_p = float(p[t, retrieved])
             record.pdm_overlap = float(torch.minimum(p[t], probs(pdm_logits, params)).sum())
@@ -124,8 +123,9 @@ def fit_gate(records: list[GateRecord], max_len: int = 8, min_count: int = 20, f
         shifted = [sorted((replace(r, pdm_top1=r.pdm_top1 - weight * r.lead) for r in sel), key=lambda r: r.pdm_top1)
                    for sel in by_length]
         min_len, thresholds = _thresholds(shifted, min_count, lambda r: r.retrieval_right, lambda r: r.pdm_right, weight)
-        right = sum(r.retrieval_right if r.pdm_top1 < thresholds[k] and k + 1 >= min_len else r.pdm_right
-                    for k, sel in enumerate(shifted) for r in sel)
+        candidate = Gate(min_len=min_len, max_len=max_len, threshold=thresholds, adapt=weight)
+        right = sum(r.retrieval_right if candidate.takes_retrieval(r.match_len, r.pdm_top1, lead=r.lead) else r.pdm_right
+                    for sel in by_length for r in sel)
         fits.append((right, weight, min_len, thresholds))
     _, weight, min_len, thresholds = max(fits, key=lambda fit: (fit[0], -fit[1]))   # ties: the smaller weight
     sampled = {}
