@@ -16,7 +16,7 @@ from spd.drafters import PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
 from spd.retrieval import Gate, HybridDrafter
-from spd.sampling import SamplingParams, probs, verify_sample
+from spd.sampling import SamplingParams, draw as draw_index, probs, verify_sample
 from spd.target import Target, split_layers
 
 VOCAB, PROMPT, LENGTH = 8, [1, 5, 2], 3
@@ -92,6 +92,23 @@ def test_verify_sample_preserves_p_exactly_in_expectation():
     assert torch.allclose(law, p, atol=1e-6)
     draws = [verify_sample(3, p, q, gen) for _ in range(200)]
     assert all(not accepted and token != 3 for accepted, token in draws)  # p(3) = 0: never kept
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero():
+    """The inverse-CDF draw has law weight / total (unnormalised weights, zeros between and at
+    both ends); drawing the index one to the left (a wrong bin edge) must fail the test."""
+    weights = torch.tensor([0.0, 2.0, 0.0, 0.0, 5.0, 1.0, 0.0, 2.0, 0.0])
+    table = {i: float(w / weights.sum()) for i, w in enumerate(weights)}
+
+    def observe(drawn):
+        gen = torch.Generator().manual_seed(11)
+        return Counter(drawn(weights, gen) for _ in range(4000))
+
+    p, impossible = chi_square_p(observe(draw_index), table, 4000)
+    assert p > 1e-3 and impossible == 0
+    shifted = lambda w, gen: max(0, draw_index(w, gen) - 1)   # noqa: E731
+    p, impossible = chi_square_p(observe(shifted), table, 4000)
+    assert p < 1e-6 or impossible > 0
 
 
 def test_probs_filters():

@@ -24,7 +24,7 @@ import torch
 
 from .cache import KVCache
 from .pdm import PDM
-from .sampling import SamplingParams, probs
+from .sampling import SamplingParams, draw, probs
 from .target import TreeMask
 from .tree import Candidate, DraftState, ancestry
 
@@ -81,7 +81,7 @@ class PDMDrafter:
         if params.greedy:
             return int(logits.argmax()), None
         q = probs(logits, params)
-        return int(torch.multinomial(q, 1, generator=gen)), q
+        return draw(q, gen), q
 
     @torch.inference_mode()
     def tree_logits(self, state) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from .drafters import Candidate, PDMDrafter, top_candidates
 from .pdm import PDM
-from .sampling import probs
+from .sampling import draw, probs
 
 GATE_FILE = "retrieval_gate.json"   # beside pdm_config.json in a PDM checkpoint folder
 # In a token tree, a retrieved candidate scores at least this probability by match length 1..8
@@ -291,7 +291,7 @@ class HybridDrafter:
         if params.greedy:
             return int(top1), None
         q = probs(logits, params)
-        return int(torch.multinomial(q, 1, generator=gen)), q
+        return draw(q, gen), q
 
     def candidates(self, state, params, gen, width):
         """Per leaf of a token tree: its retrieved token (scored at least the gate's prior for the

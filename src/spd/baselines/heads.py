@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..pdm import TargetFingerprint
-from ..sampling import SamplingParams, probs
+from ..sampling import SamplingParams, draw, probs
 from ..target import Target
 
 WEIGHTS, CONFIG = "head.safetensors", "head_config.json"
@@ -63,7 +63,7 @@ def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> 
     if params.greedy:
         return int(logits.argmax()), None
     q = probs(logits, params)
-    return int(torch.multinomial(q, 1, generator=gen)), q
+    return draw(q, gen), q
 
 
 def check_target(fingerprint: TargetFingerprint, target: Target, where: str) -> None:
