@@ -16,7 +16,8 @@ from spd.drafters import PDMDrafter
 from spd.engine import generate
 from spd.pdm import PDM
 from spd.retrieval import Gate, HybridDrafter
-from spd.sampling import SamplingParams, draw as draw_index, probs, verify_sample
+from spd.sampling import SamplingParams, probs, verify_sample
+from spd.sampling import draw as draw_index
 from spd.target import Target, split_layers
 
 VOCAB, PROMPT, LENGTH = 8, [1, 5, 2], 3
