@@ -66,10 +66,11 @@ def _children(parents: list[Node], logits: torch.Tensor, params: SamplingParams,
     """Each parent's top_k tokens by its (V,) row of head logits, as nodes whose path score adds
     the token's log-probability: log-softmax when greedy, else the log of the processed q
     (temperature, top-k, top-p as the target's p: tokens p gives 0 are never drafted)."""
+    k = min(top_k, logits.shape[-1])
     if params.greedy:
-        values, tokens = torch.topk(torch.log_softmax(logits.float(), -1), min(top_k, logits.shape[-1]), dim=-1)
-    else:   # the log of the top_k only: torch.log over a row of zeros is ~15x slower on a CPU
-        values, tokens = torch.topk(probs(logits, params), min(top_k, logits.shape[-1]), dim=-1)
+        values, tokens = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
+    else:   # the log of the top k only: torch.log over a row of zeros is ~15x slower on a CPU
+        values, tokens = torch.topk(probs(logits, params), k, dim=-1)
         values = values.log()
     out = []
     for parent, vals, toks in zip(parents, values.tolist(), tokens.tolist()):
